@@ -31,6 +31,8 @@ class RunSection(_Strict):
     dir: str = "runs/tiny"
     seed: int = 0
     max_steps: Annotated[int, Field(ge=1)] = 30
+    # Evaluate mean reward on held-out prompts every N steps (0 = only before and after).
+    eval_every: Annotated[int, Field(ge=0)] = 0
 
 
 class TaskSection(_Strict):

@@ -1,0 +1,52 @@
+# Everything a fresh machine needs: `make setup` once, then `make run` / `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= examples/tiny-cpu.yaml
+# On CPU-only hosts pin the CPU build of torch; GPU hosts can set TORCH_SPEC=torch to get CUDA.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup redis run run-local test test-fast proto proto-check lint bench clean
+
+setup: $(BIN)/rlfleet redis
+
+$(BIN)/rlfleet: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $@
+
+# redis-server comes from the system package manager when it is missing and we may install it.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get install -y -q redis-server >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)); \
+	  else echo "redis-server is missing: install it (e.g. sudo apt-get install redis-server) and re-run" >&2; exit 1; fi; }
+	@redis-server --version
+
+run: setup
+	$(BIN)/rlfleet up --config $(CONFIG)
+
+run-local: setup
+	$(BIN)/rlfleet train --local --config $(CONFIG)
+
+test: setup
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+proto: $(BIN)/rlfleet
+	$(BIN)/python scripts/gen_proto.py
+
+proto-check: $(BIN)/rlfleet
+	$(BIN)/python scripts/gen_proto.py --check
+
+lint: $(BIN)/rlfleet
+	$(BIN)/ruff check services tests bench scripts
+	$(BIN)/mypy services
+
+bench: setup
+	$(BIN)/python -m bench.data_plane
+
+clean:
+	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

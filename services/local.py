@@ -1,0 +1,175 @@
+"""The single-process reference loop: the same config, RL core and engine as the fleet, with no
+services in between. It is the baseline the fleet must reproduce (`rlfleet train --local`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.core.config import RunConfig
+from services.core.ids import generation_seed, task_id
+from services.models.engine import GenerationEngine, SamplingParams, completions_to_rollout, make_engine
+from services.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+from services.reference.scorer import ReferenceScorer
+from services.reward.scorer import RewardScorer
+from services.rl import batch as rb
+from services.rl.pipeline import compute_advantages
+from services.rl.trainer import PolicyTrainer, ValueTrainer
+from services.tasks import load_reward_fn, load_task
+from services.tasks.base import Task
+
+log = logging.getLogger("rlfleet.local")
+
+
+def sampling_params(cfg: RunConfig, tokenizer, seed: int) -> SamplingParams:  # type: ignore[no-untyped-def]
+    g = cfg.generation
+    stops = tuple(sorted({tokenizer.eos_token_id, *g.stop_token_ids}))
+    return SamplingParams(
+        temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=g.max_new_tokens,
+        stop_token_ids=stops, seed=seed,
+    )
+
+
+def encode_prompts(task: Task, tokenizer, indices: list[int]) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [list(tokenizer(task.prompt(i).text, add_special_tokens=False)["input_ids"]) for i in indices]
+
+
+def generate_message(
+    cfg: RunConfig, engine: GenerationEngine, task: Task, tokenizer, first_index: int  # type: ignore[no-untyped-def]
+) -> rb.Rollout:
+    """Generate one prompt message's worth of samples, exactly as the actor does for a PromptBatch."""
+    indices = list(range(first_index, first_index + cfg.batch.prompts_per_message))
+    prompts = encode_prompts(task, tokenizer, indices)
+    g = cfg.algo.group_size
+    flat = [p for p in prompts for _ in range(g)]
+    tids = [task_id(i, k) for i in indices for k in range(g)]
+    groups = [i for i in indices for _ in range(g)]
+    params = sampling_params(cfg, tokenizer, generation_seed(cfg.run.seed, first_index))
+    comps = engine.generate(flat, params)
+    return completions_to_rollout(tids, flat, comps, groups, engine.version, tokenizer.pad_token_id)
+
+
+@dataclass
+class Roles:
+    """Everything a run needs besides the policy: built once, shared by the local loop's steps."""
+
+    task: Task
+    tokenizer: object
+    policy_path: Path
+
+
+def prepare(cfg: RunConfig) -> Roles:
+    """Resolve (and if needed build) the models; the fleet's `rlfleet up` calls this before starting
+    services so no two processes race to build the same model."""
+    task = load_task(cfg.task)
+    path = resolve_model_path(cfg.models.policy, "policy", task, cfg.run_dir, cfg.run.seed)
+    return Roles(task=task, tokenizer=load_tokenizer(path), policy_path=path)
+
+
+def evaluate(cfg: RunConfig, engine: GenerationEngine, task: Task, tokenizer, scorer: RewardScorer) -> float:  # type: ignore[no-untyped-def]
+    """Mean reward over held-out prompts, one sample each, at the training temperature."""
+    n = cfg.task.eval_size
+    if n == 0:
+        return float("nan")
+    texts = [task.eval_prompt(i) for i in range(n)]
+    prompts = [list(tokenizer(p.text, add_special_tokens=False)["input_ids"]) for p in texts]
+    params = sampling_params(cfg, tokenizer, seed=cfg.run.seed + 4242)
+    comps = engine.generate(prompts, params)
+    outs = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
+    return sum(scorer.fn(p, o) for p, o in zip(texts, outs, strict=True)) / n
+
+
+def run_local(
+    cfg: RunConfig, on_step: Callable[[dict[str, float]], None] | None = None
+) -> Path:
+    torch.manual_seed(cfg.run.seed)
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    roles = prepare(cfg)
+    task, tok = roles.task, roles.tokenizer
+    dtype = cfg.models.policy.dtype
+    policy = load_causal_lm(roles.policy_path, dtype=dtype)
+    engine = make_engine(cfg.generation.engine, roles.policy_path, dtype=dtype, micro_batch=cfg.generation.micro_batch)
+    reward = RewardScorer(task, tok, fn=load_reward_fn(cfg.task), model_path=_reward_model_path(cfg))
+    reference = (
+        ReferenceScorer(load_causal_lm(roles.policy_path, dtype=dtype), cfg.generation.temperature)
+        if cfg.algo.needs_reference else None
+    )
+    trainer = PolicyTrainer(policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed)
+    critic = critic_trainer = None
+    if cfg.algo.needs_critic:
+        from services.models.critic import ValueModel
+
+        critic = ValueModel.from_policy(_critic_path(cfg, roles.policy_path))
+        critic_trainer = ValueTrainer(critic, cfg.algo, seed=cfg.run.seed)
+
+    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
+    version = 0
+    eval_before = evaluate(cfg, engine, task, tok, reward)
+    log.info("eval before training", extra={"eval_reward": eval_before})
+    per_msg = cfg.batch.prompts_per_message
+    for step in range(cfg.run.max_steps):
+        t0 = time.perf_counter()
+        first = step * cfg.batch.prompts_per_step
+        parts = [generate_message(cfg, engine, task, tok, first + k * per_msg)
+                 for k in range(cfg.batch.prompts_per_step // per_msg)]
+        t_gen = time.perf_counter()
+        # Score per message, as the scoring services do, then join into the step batch.
+        for part in parts:
+            part.rewards = reward.score(part)
+            if reference is not None:
+                part.ref_logprobs = reference.score(part)
+            if critic is not None:
+                with torch.no_grad():
+                    part.values = critic.values(part.prompt_ids, part.prompt_mask, part.response_ids,
+                                                part.response_mask)
+        r = rb.concat(parts, pad_id=tok.pad_token_id)  # type: ignore[attr-defined]
+        t_score = time.perf_counter()
+        stats = compute_advantages(r, cfg.algo)
+        stats.update(trainer.train_step(r, step=step, current_version=version))
+        if critic_trainer is not None:
+            stats.update(critic_trainer.train_step(r, step=step))
+        version += 1
+        engine.update_weights(policy.state_dict().items(), version)
+        t_end = time.perf_counter()
+        tokens = int(r.response_mask.sum())
+        row = {
+            "step": step + 1, "version": version, **stats,
+            "tokens": tokens, "samples": len(r),
+            "tokens_per_s": tokens / (t_end - t0), "samples_per_s": len(r) / (t_end - t0),
+            "generate_s": t_gen - t0, "score_s": t_score - t_gen, "train_s": t_end - t_score,
+            "step_s": t_end - t0,
+        }
+        last = step + 1 == cfg.run.max_steps
+        if last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
+            row["eval_reward"] = evaluate(cfg, engine, task, tok, reward)
+        if step == 0:
+            row["eval_reward_before"] = eval_before
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if on_step is not None:
+            on_step(row)
+    return metrics_path
+
+
+def _reward_model_path(cfg: RunConfig) -> Path | None:
+    spec = cfg.models.reward
+    if spec is None:
+        return None
+    if spec.path is None or not Path(spec.path).is_dir():
+        raise FileNotFoundError(f"models.reward.path: reward model directory not found: {spec.path}")
+    return Path(spec.path)
+
+
+def _critic_path(cfg: RunConfig, policy_path: Path) -> Path:
+    spec = cfg.models.critic
+    if spec is None or spec.path is None:
+        return policy_path
+    return Path(spec.path)

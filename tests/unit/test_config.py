@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.core.config import ConfigError, load_config, parse_config
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_embedded_default_config_is_valid() -> None:
+    cfg = load_config(EXAMPLES / "tiny-cpu.yaml")
+    assert cfg.algo.name == "grpo"
+    assert cfg.samples_per_step == cfg.batch.prompts_per_step * cfg.algo.group_size
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_is_valid(path: Path) -> None:
+    load_config(path)
+
+
+def test_unknown_key_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"algo\.learning_rate: unknown key"):
+        parse_config({"algo": {"learning_rate": 1e-3}})
+
+
+def test_bad_literal_lists_allowed_values() -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config({"algo": {"name": "dpo"}})
+    msg = str(e.value)
+    assert "algo.name" in msg and "'dpo'" in msg and "'grpo'" in msg and "'ppo'" in msg
+
+
+def test_out_of_range_value_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"algo\.clip_eps"):
+        parse_config({"algo": {"clip_eps": 1.5}})
+
+
+def test_watermarks_must_be_ordered() -> None:
+    with pytest.raises(ConfigError, match="low_watermark"):
+        parse_config({"flow": {"high_watermark": 0.5, "low_watermark": 0.6}})
+
+
+def test_unknown_device_group_is_named() -> None:
+    with pytest.raises(ConfigError, match="device group 'actor_group' not found in devices"):
+        parse_config({"services": {"actor": {"device_group": "actor_group"}}})
+
+
+def test_grpo_needs_groups() -> None:
+    with pytest.raises(ConfigError, match="group_size"):
+        parse_config({"algo": {"name": "grpo", "group_size": 1}})
+
+
+def test_pipeline_is_derived_from_the_algorithm() -> None:
+    assert parse_config({"algo": {"name": "grpo", "kl_coef": 0}}).services_needed() == [
+        "controller", "actor", "reward"]
+    assert parse_config({"algo": {"name": "ppo", "kl_coef": 0.1, "group_size": 1}}).stages() == [
+        "reference", "reward", "critic"]
+
+
+def test_missing_file_and_bad_yaml_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(scalar)
+
+
+def test_overrides_apply_dotted_names(tmp_path: Path) -> None:
+    cfg = load_config(EXAMPLES / "tiny-cpu.yaml", run__max_steps=3, run__dir=str(tmp_path))
+    assert cfg.run.max_steps == 3 and cfg.run_dir == tmp_path
+
+
+def test_secrets_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = parse_config({"security": {"token_env": "RLF_TOKEN"}, "redis": {"password_env": "RLF_PW"}})
+    monkeypatch.setenv("RLF_TOKEN", "t0k")
+    monkeypatch.setenv("RLF_PW", "pw")
+    assert cfg.token() == "t0k" and cfg.redis_password() == "pw"
