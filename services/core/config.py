@@ -176,8 +176,8 @@ class Endpoint(_Strict):
     replicas: Annotated[int, Field(ge=1, le=64)] = 1
 
 
-def _default_services() -> dict[str, Endpoint]:
-    base = {"controller": 0, "actor": 1, "critic": 2, "reward": 3, "reference": 4}
+def _default_services() -> dict[ServiceName, Endpoint]:
+    base: dict[ServiceName, int] = {"controller": 0, "actor": 1, "critic": 2, "reward": 3, "reference": 4}
     return {n: Endpoint(grpc_port=50050 + i, http_port=8080 + i) for n, i in base.items()}
 
 

@@ -8,6 +8,7 @@ Prompts are left-padded to P tokens and responses right-padded to R tokens, so t
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ class Rollout:
 
     def select(self, index: torch.Tensor | list[int]) -> Rollout:
         idx = torch.as_tensor(index, dtype=torch.long)
-        kw = {}
+        kw: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name == "task_ids":

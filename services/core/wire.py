@@ -1,0 +1,290 @@
+"""Rollouts, scores and training batches to and from their protobuf messages.
+
+Every `*_from_proto` validates before returning: schema version, dtypes, shapes that agree with
+each other (the padded layout of services.rl.batch), and finite numbers where NaN or inf would
+silently poison a loss. A message that fails raises `WireError` (see codec) so that the consumer
+can dead-letter it with `reason` and keep serving.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from google.protobuf.message import DecodeError, Message
+
+from services.core.codec import (
+    DEFAULT_MAX_BYTES,
+    SCHEMA_VERSION,
+    WireError,
+    tensor_from_proto,
+    tensor_to_proto,
+)
+from services.core.pb import rlfleet_pb2 as pb
+from services.rl.batch import Rollout
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "STAGE_FIELDS",
+    "Scores",
+    "TrainRequest",
+    "WireError",
+    "check_schema_version",
+    "message",
+    "parse_message",
+    "rollout_from_proto",
+    "rollout_to_proto",
+    "score_batch_to_tensors",
+    "score_from_proto",
+    "score_to_proto",
+    "train_batch_from_proto",
+    "train_batch_to_proto",
+    "validate_rollout_batch",
+]
+
+M = TypeVar("M", bound=Message)
+
+# The ScoreBatch field each scoring stage fills.
+STAGE_FIELDS: dict[str, str] = {"reference": "ref_logprobs", "reward": "rewards", "critic": "values"}
+# Optional per-token [B, R] float32 tensors of a TrainBatch, and the per-row [B] one.
+_TRAIN_TOKEN_FIELDS = ("advantages", "returns", "values", "ref_logprobs")
+
+
+# -- envelopes -----------------------------------------------------------------------------------
+
+
+def message(cls: type[M], **fields: Any) -> M:
+    """Build a top-level message with the current schema version stamped (forgetting it would
+    make every receiver reject the message)."""
+    return cls(schema_version=SCHEMA_VERSION, **fields)
+
+
+def check_schema_version(msg: Message) -> None:
+    """Reject a message from a peer speaking another schema (gRPC handlers call this directly,
+    since gRPC parses requests itself)."""
+    got = msg.schema_version  # type: ignore[attr-defined]
+    if got != SCHEMA_VERSION:
+        raise WireError("schema_version", f"{type(msg).__name__}: schema_version {got},"
+                        f" this build speaks {SCHEMA_VERSION}")
+
+
+def parse_message(cls: type[M], data: bytes, *, max_bytes: int) -> M:
+    """Parse bytes from a stream entry: size limit first (before protobuf allocates anything),
+    then protobuf decoding, then the schema version."""
+    if len(data) > max_bytes:
+        raise WireError("oversized_message", f"{cls.__name__}: {len(data)} bytes exceeds the limit of"
+                        f" {max_bytes}")
+    msg = cls()
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as err:
+        raise WireError("malformed", f"{cls.__name__}: not a valid protobuf message ({err})") from None
+    if "schema_version" in cls.DESCRIPTOR.fields_by_name:
+        check_schema_version(msg)
+    return msg
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _tensor(msg: Any, field: str, owner: str, *, max_bytes: int, dtype: str,
+            shape: tuple[int | None, ...]) -> torch.Tensor:
+    if not msg.HasField(field):
+        raise WireError("missing_field", f"{owner}: tensor {field!r} is not set")
+    return tensor_from_proto(getattr(msg, field), max_bytes=max_bytes, expect_dtype=dtype,
+                             expect_shape=shape, name=field)
+
+
+def _require_finite(t: torch.Tensor, name: str, mask: torch.Tensor | None = None) -> None:
+    bad = ~torch.isfinite(t)
+    if mask is not None:
+        bad &= mask
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        pos = f"row {where[0]}" if len(where) == 1 else f"row {where[0]}, column {where[1]}"
+        raise WireError("non_finite", f"tensor {name!r}: non-finite value {t[where].item()} at {pos}"
+                        f" ({int(bad.sum())} in all)")
+
+
+def _check_task_ids(task_ids: Sequence[str], owner: str) -> None:
+    if any(not t for t in task_ids):
+        raise WireError("empty_task_id", f"{owner}: empty task id at row {list(task_ids).index('')}")
+    if len(set(task_ids)) != len(task_ids):
+        dup, n = Counter(task_ids).most_common(1)[0]
+        raise WireError("duplicate_task_id", f"{owner}: task id {dup!r} appears {n} times")
+
+
+# -- rollouts ------------------------------------------------------------------------------------
+
+
+def rollout_to_proto(r: Rollout, batch_id: str, sampling: Any = None,
+                     finish_reasons: Sequence[str] | None = None,
+                     generate_seconds: float = 0.0) -> pb.RolloutBatch:
+    """Encode the generated part of a rollout (scores travel separately as ScoreBatch). Tensors are
+    cast to the wire dtypes (int64 ids, bool masks, float32 log-probs), a no-op when already so."""
+    msg = message(pb.RolloutBatch, batch_id=batch_id, task_ids=list(r.task_ids), version=int(r.version),
+                  finish_reasons=list(finish_reasons or ()), generate_seconds=float(generate_seconds))
+    tensor_to_proto(r.prompt_ids.long(), msg.prompt_ids)
+    tensor_to_proto(r.prompt_mask.bool(), msg.prompt_mask)
+    tensor_to_proto(r.response_ids.long(), msg.response_ids)
+    tensor_to_proto(r.response_mask.bool(), msg.response_mask)
+    tensor_to_proto(r.behaviour_logprobs.float(), msg.behaviour_logprobs)
+    tensor_to_proto(r.group_ids.long(), msg.group_ids)
+    if r.versions is not None:
+        tensor_to_proto(r.versions.long(), msg.versions)
+    if sampling is not None:
+        msg.sampling.CopyFrom(sampling)
+    return msg
+
+
+def validate_rollout_batch(msg: pb.RolloutBatch, max_bytes: int) -> Rollout:
+    """Check a RolloutBatch against the padded layout and return it as a Rollout: B task ids,
+    [B, P] int64/bool prompt, [B, R] int64/bool/float32 response, [B] group ids, log-probs finite
+    wherever the response mask is set. `max_bytes` bounds each tensor."""
+    check_schema_version(msg)
+    owner = f"RolloutBatch {msg.batch_id!r}"
+    b = len(msg.task_ids)
+    _check_task_ids(msg.task_ids, owner)
+
+    def get(field: str, dtype: str, shape: tuple[int | None, ...]) -> torch.Tensor:
+        return _tensor(msg, field, owner, max_bytes=max_bytes, dtype=dtype, shape=shape)
+
+    prompt_ids = get("prompt_ids", "int64", (b, None))
+    p = prompt_ids.shape[1]
+    response_ids = get("response_ids", "int64", (b, None))
+    r = response_ids.shape[1]
+    response_mask = get("response_mask", "bool", (b, r))
+    logprobs = get("behaviour_logprobs", "float32", (b, r))
+    _require_finite(logprobs, "behaviour_logprobs", response_mask)
+    versions = get("versions", "int64", (b,)) if msg.HasField("versions") else None
+    if msg.finish_reasons and len(msg.finish_reasons) != b:
+        raise WireError("shape_mismatch", f"{owner}: {len(msg.finish_reasons)} finish_reasons for {b} rows")
+    return Rollout(
+        task_ids=list(msg.task_ids),
+        prompt_ids=prompt_ids,
+        prompt_mask=get("prompt_mask", "bool", (b, p)),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        behaviour_logprobs=logprobs,
+        group_ids=get("group_ids", "int64", (b,)),
+        version=int(msg.version),
+        versions=versions,
+    )
+
+
+def rollout_from_proto(msg: pb.RolloutBatch, max_bytes: int) -> Rollout:
+    """Alias of `validate_rollout_batch`: there is no unvalidated way in."""
+    return validate_rollout_batch(msg, max_bytes)
+
+
+# -- scores --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One stage's scores for one rollout batch, rows in the order of `task_ids`."""
+
+    batch_id: str
+    stage: str
+    task_ids: list[str]
+    version: int
+    tensor: torch.Tensor  # reward: [B] float32; reference / critic: [B, R] float32
+    score_seconds: float = 0.0
+
+
+def score_to_proto(batch_id: str, stage: str, task_ids: Sequence[str], scores: torch.Tensor, *,
+                   version: int = 0, score_seconds: float = 0.0) -> pb.ScoreBatch:
+    """Encode one stage's output (rewards [B], or ref log-probs / values [B, R]) as float32."""
+    if stage not in STAGE_FIELDS:
+        raise WireError("unknown_stage", f"ScoreBatch {batch_id!r}: unknown stage {stage!r};"
+                        f" expected one of {', '.join(STAGE_FIELDS)}")
+    msg = message(pb.ScoreBatch, batch_id=batch_id, stage=stage, task_ids=list(task_ids),
+                  version=int(version), score_seconds=float(score_seconds))
+    tensor_to_proto(scores.float(), getattr(msg, STAGE_FIELDS[stage]))
+    return msg
+
+
+def score_from_proto(msg: pb.ScoreBatch, *, max_bytes: int, expected_stage: str | None = None,
+                     expected_rows: int | None = None, expected_cols: int | None = None) -> Scores:
+    """Validate a ScoreBatch: known stage (and the expected one), exactly that stage's field set,
+    float32 of shape [B] (reward) or [B, R] (reference, critic), every value finite."""
+    check_schema_version(msg)
+    owner = f"ScoreBatch {msg.batch_id!r}"
+    field = STAGE_FIELDS.get(msg.stage)
+    if field is None:
+        raise WireError("unknown_stage", f"{owner}: unknown stage {msg.stage!r};"
+                        f" expected one of {', '.join(STAGE_FIELDS)}")
+    if expected_stage is not None and msg.stage != expected_stage:
+        raise WireError("stage_mismatch", f"{owner}: stage {msg.stage!r}, expected {expected_stage!r}")
+    others = [f for f in STAGE_FIELDS.values() if f != field and msg.HasField(f)]
+    if others:
+        raise WireError("unexpected_field", f"{owner}: stage {msg.stage!r} must not set {', '.join(others)}")
+    b = len(msg.task_ids)
+    if expected_rows is not None and b != expected_rows:
+        raise WireError("shape_mismatch", f"{owner}: {b} task ids, expected {expected_rows}")
+    _check_task_ids(msg.task_ids, owner)
+    shape: tuple[int | None, ...] = (b,) if msg.stage == "reward" else (b, expected_cols)
+    t = _tensor(msg, field, owner, max_bytes=max_bytes, dtype="float32", shape=shape)
+    _require_finite(t, field)
+    return Scores(batch_id=msg.batch_id, stage=msg.stage, task_ids=list(msg.task_ids),
+                  version=int(msg.version), tensor=t, score_seconds=float(msg.score_seconds))
+
+
+def score_batch_to_tensors(msg: pb.ScoreBatch, expected_stage: str, expected_rows: int,
+                           expected_cols: int | None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Scores:
+    """`score_from_proto` with the expectations the controller always has (stage, B, R)."""
+    return score_from_proto(msg, max_bytes=max_bytes, expected_stage=expected_stage,
+                            expected_rows=expected_rows, expected_cols=expected_cols)
+
+
+# -- training batches ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """A decoded TrainBatch: the rollout carries advantages / returns / values / ref_logprobs /
+    rewards when the controller sent them."""
+
+    step: int
+    batch_id: str
+    target_version: int
+    rollout: Rollout
+
+
+def train_batch_to_proto(r: Rollout, *, step: int, batch_id: str, target_version: int,
+                         sampling: Any = None) -> pb.TrainBatch:
+    """Encode a scored rollout plus whatever of advantages, returns, values, ref_logprobs and
+    rewards it carries (None fields stay unset)."""
+    msg = message(pb.TrainBatch, step=int(step), batch_id=batch_id, target_version=int(target_version))
+    msg.rollout.CopyFrom(rollout_to_proto(r, batch_id, sampling=sampling))
+    for field in (*_TRAIN_TOKEN_FIELDS, "rewards"):
+        t = getattr(r, field)
+        if t is not None:
+            tensor_to_proto(t.float(), getattr(msg, field))
+    return msg
+
+
+def train_batch_from_proto(msg: pb.TrainBatch, max_bytes: int, *,
+                           require: Iterable[str] = ()) -> TrainRequest:
+    """Validate a TrainBatch (its rollout as `validate_rollout_batch`, extra tensors float32 [B, R]
+    or [B] and finite). `require` names fields this trainer cannot do without, e.g. ("advantages",)."""
+    check_schema_version(msg)
+    owner = f"TrainBatch {msg.batch_id!r} (step {msg.step})"
+    for field in require:
+        if not msg.HasField(field):
+            raise WireError("missing_field", f"{owner}: tensor {field!r} is not set")
+    if not msg.HasField("rollout"):
+        raise WireError("missing_field", f"{owner}: rollout is not set")
+    rollout = validate_rollout_batch(msg.rollout, max_bytes)
+    b, r = rollout.response_ids.shape
+    for field in (*_TRAIN_TOKEN_FIELDS, "rewards"):
+        if msg.HasField(field):
+            shape = (b,) if field == "rewards" else (b, r)
+            t = _tensor(msg, field, owner, max_bytes=max_bytes, dtype="float32", shape=shape)
+            _require_finite(t, field)
+            setattr(rollout, field, t)
+    return TrainRequest(step=int(msg.step), batch_id=msg.batch_id, target_version=int(msg.target_version),
+                        rollout=rollout)
