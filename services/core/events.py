@@ -1,0 +1,200 @@
+"""An append-only JSONL event log: what happened, in order, for `rlfleet audit`.
+
+One event per line: `{"ts": <unix seconds>, "kind": "<kind>", ...fields}`. The journal is the
+source of truth for task state; this log is the history the audit replays to check the
+invariants (every admitted task ends trained or dead, each counts once, staleness bounded,
+versions monotonic, resources bounded).
+
+Crash safety: a batch of events goes out in one `write` and is fsynced (unless `fsync=False`),
+so after a crash the file ends with whole lines plus at most one torn line. The reader skips a
+torn line; the writer cuts a torn tail off when it reopens the file (it was never acknowledged)
+so new events do not get glued onto it, and cuts back its own partial write if a write fails
+(disk full) so the next one starts on a clean line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Fields each kind must carry for the audit to check its invariant; extra fields are allowed.
+EVENT_FIELDS: dict[str, tuple[str, ...]] = {
+    "admitted": ("task_ids", "cursor"),
+    "generated": ("task_ids", "version"),
+    "scored": ("task_ids",),
+    "trained": ("step", "task_ids", "version", "generated_versions"),
+    "checkpoint": ("service", "version", "step"),
+    "version_served": ("service", "version"),
+    "dead": ("task_id", "reason"),
+    "resources": ("queue_depths", "rss_bytes", "disk_bytes"),
+}
+_RESERVED = ("ts", "kind")
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    fields: dict[str, Any]
+    ts: float = field(default_factory=time.time)
+
+    def to_line(self) -> bytes:
+        clash = [k for k in _RESERVED if k in self.fields]
+        if clash:
+            raise ValueError(f"event field names {clash} are reserved")
+        return (
+            json.dumps({"ts": self.ts, "kind": self.kind, **self.fields}, separators=(",", ":")).encode()
+            + b"\n"
+        )
+
+
+def validate(event: Event) -> None:
+    """Raise ValueError when `event` is not a known kind or lacks a field the audit needs."""
+    need = EVENT_FIELDS.get(event.kind)
+    if need is None:
+        raise ValueError(f"unknown event kind {event.kind!r}; known: {sorted(EVENT_FIELDS)}")
+    missing = [f for f in need if f not in event.fields]
+    if missing:
+        raise ValueError(f"{event.kind} event lacks fields {missing}")
+
+
+class EventLog:
+    """Appends events to `path`. Thread-safe; one writer process per file."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, fsync: bool = True, validate_kinds: bool = True
+    ) -> None:
+        self.path = Path(path)
+        self.fsync = fsync
+        self.validate_kinds = validate_kinds
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.path.exists()
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if created and fsync:
+            _fsync_dir(self.path.parent)  # the new file's directory entry must survive a crash too
+        self._size = _cut_torn_tail(self._fd, self.path)
+
+    def emit(self, kind: str, *, ts: float | None = None, **fields: Any) -> Event:
+        """Append one event (one write, one fsync) and return it."""
+        ev = Event(kind, fields) if ts is None else Event(kind, fields, ts)
+        self.emit_many([ev])
+        return ev
+
+    def emit_many(self, events: Iterable[Event]) -> None:
+        """Append `events` as one write followed by one fsync: the batch costs one disk flush."""
+        evs = list(events)
+        if self.validate_kinds:
+            for ev in evs:
+                validate(ev)
+        data = b"".join(ev.to_line() for ev in evs)
+        if not data:
+            return
+        with self._lock:
+            if self._fd is None:
+                raise ValueError(f"event log {self.path} is closed")
+            try:
+                view = memoryview(data)
+                while view:  # os.write may write less than asked
+                    n = os.write(self._fd, view)
+                    view = view[n:]
+                if self.fsync:
+                    os.fsync(self._fd)
+            except OSError:
+                # Cut our partial line so the next write starts clean; best effort, the reader
+                # tolerates a torn line anyway.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, self._size)
+                raise
+            self._size += len(data)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def read(path: str | os.PathLike[str]) -> list[Event]:
+        """Every whole event in `path`, in order; a torn or unreadable line is skipped, never
+        raised. A missing file reads as no events."""
+        return list(iter_events(path))
+
+
+def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
+    p = Path(path)
+    if not p.exists():
+        return
+    with p.open("rb") as f:
+        lineno = 0
+        for raw in f:
+            lineno += 1
+            if not raw.endswith(b"\n"):
+                # The final line of a file whose writer died mid-write; never acknowledged.
+                log.info("event log %s: skipping torn last line %d (%d bytes)", p, lineno, len(raw))
+                return
+            ev = _parse(raw)
+            if ev is None:
+                log.warning("event log %s: skipping unreadable line %d", p, lineno)
+                continue
+            yield ev
+
+
+def _parse(raw: bytes) -> Event | None:
+    try:
+        d = json.loads(raw)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        return None
+    if not isinstance(d, dict):
+        return None
+    ts, kind = d.pop("ts", None), d.pop("kind", None)
+    if not isinstance(kind, str) or not isinstance(ts, int | float) or isinstance(ts, bool):
+        return None
+    return Event(kind, d, float(ts))
+
+
+def _cut_torn_tail(fd: int, path: Path) -> int:
+    """Truncate `fd` after its last newline; returns the resulting size."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return 0
+    with path.open("rb") as f:
+        pos = size
+        while pos > 0:
+            start = max(0, pos - 65536)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                end = start + nl + 1
+                break
+            pos = start
+        else:
+            end = 0
+    if end != size:
+        log.warning("event log %s: cutting a torn tail of %d bytes left by a crash", path, size - end)
+        os.ftruncate(fd, end)
+    return end
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
