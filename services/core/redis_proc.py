@@ -41,6 +41,7 @@ class RedisProcess:
 
     def stop(self, kill: bool = False) -> None:
         if self.proc.poll() is not None:
+            self._close_pipes()
             return
         if kill:
             self.proc.kill()
@@ -51,6 +52,11 @@ class RedisProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=5)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        if self.proc.stderr is not None and not self.proc.stderr.closed:
+            self.proc.stderr.close()
 
 
 def redis_server_binary() -> str:
