@@ -40,7 +40,8 @@ class Rollout:
             raise ValueError(f"prompt_mask shape {tuple(self.prompt_mask.shape)} != prompt_ids"
                              f" {tuple(self.prompt_ids.shape)}")
         r_shape = self.response_ids.shape
-        for name in ("response_mask", "behaviour_logprobs", "ref_logprobs", "values", "advantages", "returns"):
+        per_token = ("response_mask", "behaviour_logprobs", "ref_logprobs", "values", "advantages", "returns")
+        for name in per_token:
             t = getattr(self, name)
             if t is not None and t.shape != r_shape:
                 raise ValueError(f"{name} shape {tuple(t.shape)} != response_ids {tuple(r_shape)}")

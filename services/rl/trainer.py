@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from services.core.config import AlgoSection
+from services.models.critic import ValueModel
 from services.models.logprobs import response_logprobs
 from services.rl.batch import Rollout
 from services.rl.losses import aggregate, kl_loss, policy_loss, value_loss
@@ -98,7 +99,7 @@ class PolicyTrainer:
 
 
 class ValueTrainer:
-    def __init__(self, model: nn.Module, algo: AlgoSection, seed: int = 0) -> None:
+    def __init__(self, model: ValueModel, algo: AlgoSection, seed: int = 0) -> None:
         self.model = model
         self.algo = algo
         self.seed = seed

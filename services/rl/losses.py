@@ -1,0 +1,197 @@
+"""Policy, value, entropy and KL losses over the padded `[B, R]` response layout.
+
+Inputs at padding are replaced before any exp/clamp, not just masked afterwards: a select after
+the fact stops the forward NaN but not the backward one (`0 * inf` in the chain rule), so a padding
+slot holding an arbitrary log-prob could otherwise turn every gradient into NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from services.rl.kl import K3_LOG_RATIO_CLAMP, KLKind, kl_estimate
+from services.rl.masked import acc_dtype, as_bool_mask, masked_mean, masked_sum
+
+AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+
+# Bounds on log-ratios before exp(): exp(20) ~ 5e8 is finite in float32 and far past any ratio the
+# clip or the weight cap lets through, so the bound only matters for pathological tokens.
+_LOG_RATIO_CLAMP = K3_LOG_RATIO_CLAMP
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in _AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {mode!r} (expected one of {', '.join(_AGG_MODES)})")
+
+
+def _check_same(like: Tensor, **tensors: Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.shape != like.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != expected {tuple(like.shape)}")
+
+
+def aggregate(loss_mat: Tensor, mask: Tensor, mode: AggMode) -> Tensor:
+    """Reduce a per-token loss to a scalar; 0 (still attached to the graph) when nothing is masked.
+
+    `token_mean` weights every token equally (long responses dominate); the `seq_mean_*` modes weight
+    every non-empty response equally, by its mean or its sum over tokens.
+    """
+    _check_mode(mode)
+    m = as_bool_mask(mask, loss_mat)
+    x = loss_mat.to(acc_dtype(loss_mat.dtype))
+    if mode == "token_mean":
+        out = masked_mean(x, m)
+    else:
+        if x.dim() != 2:
+            raise ValueError(f"{mode} needs a [B, R] loss, got shape {tuple(x.shape)}")
+        per_row = masked_mean(x, m, dim=1) if mode == "seq_mean_token_mean" else masked_sum(x, m, dim=1)
+        out = masked_mean(per_row, m.any(dim=1))
+    return out.to(loss_mat.dtype)
+
+
+def _safe_log_ratio(num: Tensor, den: Tensor, m: Tensor) -> Tensor:
+    acc = acc_dtype(num.dtype)
+    diff = torch.where(m, num.to(acc) - den.to(acc), torch.zeros((), dtype=acc, device=num.device))
+    return diff.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+
+
+def decoupled_weights(
+    proximal_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cap: float | None
+) -> Tensor:
+    """Importance weight pi_prox / pi_behaviour per token, capped, 0 on padding, without grad.
+
+    It corrects for the batch having been sampled by an older policy than the one PPO clips
+    against; the cap bounds the variance a very stale token can add.
+    """
+    _check_same(proximal_logp, behaviour_logp=behaviour_logp)
+    with torch.no_grad():
+        m = as_bool_mask(mask, proximal_logp)
+        w = torch.exp(_safe_log_ratio(proximal_logp, behaviour_logp, m))
+        if cap is not None:
+            w = w.clamp(max=cap)
+        w = torch.where(m, w, torch.zeros_like(w))
+    return w.to(proximal_logp.dtype)
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+    agg: AggMode = "token_mean",
+    behaviour_logp: Tensor | None = None,
+    behaviour_weight_cap: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate against the proximal policy `old_logp`; decoupled when given a behaviour.
+
+    Stats: `clip_frac` (tokens whose gradient the clip removes), `approx_kl` (k3 estimate of
+    KL(old || new) from tokens sampled by old: r - 1 - log r), `ratio_mean`, and
+    `behaviour_weight_mean` (1.0 when not decoupled). Means are over masked tokens, 0 if none.
+    """
+    _check_mode(agg)
+    _check_same(logp, old_logp=old_logp, advantages=advantages, behaviour_logp=behaviour_logp)
+    m = as_bool_mask(mask, logp)
+    acc = acc_dtype(logp.dtype)
+    log_ratio = _safe_log_ratio(logp, old_logp.detach(), m)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(m, advantages.detach().to(acc), torch.zeros((), dtype=acc, device=logp.device))
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    surr = ratio * adv
+    surr_clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high) * adv
+    loss_mat = -torch.minimum(surr, surr_clipped)
+    weight: Tensor | None = None
+    if behaviour_logp is not None:
+        weight = decoupled_weights(old_logp.detach(), behaviour_logp, m, behaviour_weight_cap).to(acc)
+        loss_mat = loss_mat * weight
+    loss = aggregate(loss_mat, m, agg).to(logp.dtype)
+
+    with torch.no_grad():
+        clipped = ((ratio > 1.0 + high) & (adv > 0)) | ((ratio < 1.0 - clip_eps) & (adv < 0))
+        approx_kl = torch.expm1(log_ratio) - log_ratio  # k3 of KL(old || new): r - 1 - log r
+        parts = [
+            masked_mean(clipped.to(acc), m),
+            masked_mean(approx_kl, m),
+            masked_mean(ratio, m),
+            masked_mean(weight, m) if weight is not None else torch.ones((), dtype=acc, device=logp.device),
+        ]
+        clip_frac, kl, ratio_mean, w_mean = torch.stack(parts).tolist()
+    stats = {
+        "clip_frac": clip_frac,
+        "approx_kl": kl,
+        "ratio_mean": ratio_mean,
+        "behaviour_weight_mean": w_mean,
+    }
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float | None,
+    agg: AggMode = "token_mean",
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss 0.5 * max((v - R)^2, (v_clipped - R)^2); unclipped when `clip` is None.
+
+    Clipping around the values the rollout was scored with keeps one critic step from moving far
+    on a batch it has already fitted. Stats: `vf_clip_frac` (tokens where the clipped term wins and
+    the gradient is cut), `value_mean` (over masked tokens).
+    """
+    _check_mode(agg)
+    _check_same(values, old_values=old_values, returns=returns)
+    m = as_bool_mask(mask, values)
+    acc = acc_dtype(values.dtype)
+    zero = torch.zeros((), dtype=acc, device=values.device)
+    v = values.to(acc)
+    target = returns.detach().to(acc)
+    err = torch.where(m, v - target, zero)
+    vf = err * err
+    if clip is None:
+        loss_mat = 0.5 * vf
+        clipped = torch.zeros_like(m)
+    else:
+        old = old_values.detach().to(acc)
+        delta = torch.where(m, v - old, zero).clamp(-clip, clip)
+        err_clipped = torch.where(m, old + delta - target, zero)
+        vf_clipped = err_clipped * err_clipped
+        loss_mat = 0.5 * torch.maximum(vf, vf_clipped)
+        clipped = m & (vf_clipped > vf)
+    loss = aggregate(loss_mat, m, agg).to(values.dtype)
+    with torch.no_grad():
+        clip_frac, value_mean = torch.stack([masked_mean(clipped.to(acc), m), masked_mean(v, m)]).tolist()
+    return loss, {"vf_clip_frac": clip_frac, "value_mean": value_mean}
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last axis, as logsumexp(z) - sum(p * z).
+
+    Computed as -sum(p * log p) with log p = z - logsumexp(z): the same quantity without the
+    cancellation of two large terms, and with vocabulary entries masked to -inf contributing 0
+    (not 0 * -inf = NaN) in both the forward and the backward pass.
+    """
+    z = logits.to(acc_dtype(logits.dtype))
+    # Entropy is shift-invariant: subtracting the (detached) max is exact for the large logits and
+    # leaves logsumexp a small number, so log p keeps full precision even for logits ~1e4.
+    z = z - z.amax(dim=-1, keepdim=True).detach()
+    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    p = logp.exp()
+    logp_safe = torch.where(p > 0, logp, torch.zeros_like(logp))
+    return (-(p * logp_safe).sum(dim=-1)).to(logits.dtype)
+
+
+def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: KLKind, agg: AggMode) -> Tensor:
+    """KL-in-loss penalty: the aggregated per-token estimate, gradients through `logp` only."""
+    _check_mode(agg)
+    _check_same(logp, ref_logp=ref_logp)
+    m = as_bool_mask(mask, logp)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    lp = torch.where(m, logp, zero)
+    ref = torch.where(m, ref_logp.detach().to(logp.dtype), zero)
+    return aggregate(kl_estimate(lp, ref, kind), m, agg)
