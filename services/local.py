@@ -21,7 +21,7 @@ from services.reward.scorer import RewardScorer
 from services.rl import batch as rb
 from services.rl.pipeline import compute_advantages
 from services.rl.trainer import PolicyTrainer, ValueTrainer
-from services.tasks import load_reward_fn, load_task
+from services.tasks import load_task
 from services.tasks.base import Task
 
 log = logging.getLogger("rlfleet.local")
@@ -96,7 +96,7 @@ def run_local(
     dtype = cfg.models.policy.dtype
     policy = load_causal_lm(roles.policy_path, dtype=dtype)
     engine = make_engine(cfg.generation.engine, roles.policy_path, dtype=dtype, micro_batch=cfg.generation.micro_batch)
-    reward = RewardScorer(task, tok, fn=load_reward_fn(cfg.task), model_path=_reward_model_path(cfg))
+    reward = RewardScorer(task, tok, model_path=reward_model_path(cfg))
     reference = (
         ReferenceScorer(load_causal_lm(roles.policy_path, dtype=dtype), cfg.generation.temperature)
         if cfg.algo.needs_reference else None
@@ -106,7 +106,7 @@ def run_local(
     if cfg.algo.needs_critic:
         from services.models.critic import ValueModel
 
-        critic = ValueModel.from_policy(_critic_path(cfg, roles.policy_path))
+        critic = ValueModel.from_policy(critic_path(cfg, roles.policy_path))
         critic_trainer = ValueTrainer(critic, cfg.algo, seed=cfg.run.seed)
 
     metrics_path = run_dir / "metrics.jsonl"
@@ -159,7 +159,7 @@ def run_local(
     return metrics_path
 
 
-def _reward_model_path(cfg: RunConfig) -> Path | None:
+def reward_model_path(cfg: RunConfig) -> Path | None:
     spec = cfg.models.reward
     if spec is None:
         return None
@@ -168,7 +168,7 @@ def _reward_model_path(cfg: RunConfig) -> Path | None:
     return Path(spec.path)
 
 
-def _critic_path(cfg: RunConfig, policy_path: Path) -> Path:
+def critic_path(cfg: RunConfig, policy_path: Path) -> Path:
     spec = cfg.models.critic
     if spec is None or spec.path is None:
         return policy_path

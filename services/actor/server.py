@@ -1,0 +1,212 @@
+"""The actor service: generates rollouts for admitted prompts and trains the policy.
+
+Generation consumes the prompts stream (held by backpressure when the slowest scoring group is
+too far behind) and publishes rollouts with behaviour log-probs and the policy version. `Train`
+runs the PPO epochs on the trainer's copy of the policy, then syncs the weights into the engine
+under the engine lock, so no rollout ever mixes two versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.core.bus import Bus, Message, bus_options
+from services.core.config import RunConfig
+from services.core.pb import rlfleet_pb2 as pb
+from services.core.pb import rlfleet_pb2_grpc as pb_grpc
+from services.core.runtime import ServiceRuntime
+from services.core.wire import (
+    WireError,
+    check_schema_version,
+    message,
+    parse_message,
+    rollout_to_proto,
+    train_batch_from_proto,
+)
+from services.core.worker import Rejected, StreamWorker
+from services.models.engine import SamplingParams, completions_to_rollout, make_engine
+from services.models.loading import load_causal_lm, load_tokenizer
+from services.rl.trainer import PolicyTrainer
+
+log = logging.getLogger("rlfleet.actor")
+
+
+class Actor:
+    def __init__(self, cfg: RunConfig) -> None:
+        assert cfg.models.policy.path is not None, "the launcher resolves models.policy.path"
+        self.cfg = cfg
+        path = Path(cfg.models.policy.path)
+        self.tokenizer = load_tokenizer(path)
+        self.vocab_size = len(self.tokenizer)
+        self.policy = load_causal_lm(path, dtype=cfg.models.policy.dtype)
+        self.engine = make_engine(cfg.generation.engine, path, dtype=cfg.models.policy.dtype,
+                                  micro_batch=cfg.generation.micro_batch)
+        self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed)
+        self.version = 0
+        self.instance = f"actor-{os.getpid()}"
+        self.runtime = ServiceRuntime.from_config(
+            cfg, "actor", readiness=self.readiness, status=self.status, on_drain=self.on_drain)
+        self.metrics = self.runtime.metrics
+        self.bus: Bus | None = None
+        self.worker: StreamWorker | None = None
+        self.engine_lock = asyncio.Lock()  # generation vs weight sync
+        self.train_lock = asyncio.Lock()  # one Train at a time
+        self.held = False  # backpressure state
+        self.fill = 0.0
+
+    # -- runtime callbacks ---------------------------------------------------------------------------
+    async def readiness(self) -> list[str]:
+        if self.worker is None:
+            return ["connecting to redis"]
+        return [] if self.worker.redis_ok else ["redis unreachable"]
+
+    async def status(self) -> dict[str, Any]:
+        w = self.worker
+        return {"version": self.version, "backpressure": self.held, "fill_ratio": round(self.fill, 3),
+                "handled": w.handled if w else 0}
+
+    async def on_drain(self) -> None:
+        if self.worker is not None:
+            await self.worker.drain()
+        async with self.train_lock:  # let a running Train finish before exiting
+            pass
+        if self.bus is not None:
+            await self.bus.close()
+
+    # -- backpressure --------------------------------------------------------------------------------
+    async def gate(self) -> None:
+        """Hold generation while the slowest downstream group is above the high watermark, until it
+        falls below the low watermark (hysteresis keeps the actor from flapping)."""
+        assert self.bus is not None
+        flow = self.cfg.flow
+        groups = [*self.cfg.stages(), "controller"]
+        while True:
+            self.fill = await self.bus.fill_ratio(self.bus.keys.rollouts, groups, flow.stream_capacity)
+            self.metrics.fill_ratio.set(self.fill)
+            if self.held and self.fill < flow.low_watermark:
+                self.held = False
+            elif not self.held and self.fill >= flow.high_watermark:
+                self.held = True
+                log.info("backpressure on", extra={"fill_ratio": round(self.fill, 3)})
+            self.metrics.backpressure.set(int(self.held))
+            if not self.held or (self.worker is not None and self.worker.stopping):
+                return
+            await asyncio.sleep(0.1)
+
+    # -- generation ----------------------------------------------------------------------------------
+    def _params(self, s: pb.SamplingParams) -> SamplingParams:
+        g = self.cfg.generation
+        return SamplingParams(
+            temperature=s.temperature or g.temperature, top_p=s.top_p or g.top_p, top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens or g.max_new_tokens,
+            stop_token_ids=tuple(s.stop_token_ids) or (self.tokenizer.eos_token_id,), seed=s.seed,
+        )
+
+    async def handle(self, msg: Message) -> None:
+        assert self.bus is not None
+        batch = parse_message(pb.PromptBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
+        if not batch.prompts:
+            raise Rejected("empty_batch", f"prompt batch {batch.batch_id!r} has no prompts")
+        prompts = [list(p.token_ids) for p in batch.prompts]
+        for p, ids in zip(batch.prompts, prompts, strict=True):
+            if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise Rejected("bad_token_ids", f"prompt {p.task_id!r}: token ids empty or outside the "
+                                                f"vocabulary [0, {self.vocab_size})")
+        params = self._params(batch.sampling)
+        t0 = time.perf_counter()
+        with self.metrics.time_stage("generate"):
+            async with self.engine_lock:
+                version = self.version
+                comps = await asyncio.to_thread(self.engine.generate, prompts, params)
+        gen_s = time.perf_counter() - t0
+        rollout = completions_to_rollout(
+            [p.task_id for p in batch.prompts], prompts, comps, [int(p.group_id) for p in batch.prompts],
+            version, self.tokenizer.pad_token_id)
+        rollout_id = f"{batch.batch_id}:{uuid.uuid4().hex[:8]}"
+        out = rollout_to_proto(rollout, rollout_id, sampling=batch.sampling,
+                               finish_reasons=[c.finish_reason for c in comps], generate_seconds=gen_s)
+        await self.bus.publish(self.bus.keys.rollouts, out.SerializeToString(), kind="rollout",
+                               batch_id=rollout_id)
+        tokens = int(rollout.response_mask.sum())
+        self.metrics.tokens.labels(phase="generate").inc(tokens)
+        self.metrics.samples.labels(phase="generate").inc(len(rollout))
+
+    # -- training ------------------------------------------------------------------------------------
+    async def train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:
+        try:
+            req = train_batch_from_proto(request, self.cfg.flow.max_message_bytes, require=("advantages",))
+        except WireError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
+        async with self.train_lock:
+            if self.version >= req.target_version:
+                return message(pb.TrainResult, step=req.step, version=self.version, replayed=True)
+            if req.target_version != self.version + 1:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"actor at version {self.version} cannot apply a step targeting "
+                                    f"{req.target_version}: replay the missing steps first")
+            t0 = time.perf_counter()
+            with self.metrics.time_stage("actor_train"):
+                stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step, self.version)
+            with self.metrics.time_stage("weight_sync"):
+                async with self.engine_lock:
+                    await asyncio.to_thread(self.engine.update_weights, self.policy.state_dict().items(),
+                                            req.target_version)
+                    self.version = req.target_version
+            m = self.metrics
+            m.policy_version.set(self.version)
+            m.loss.labels(kind="policy").set(stats.get("policy_loss", 0.0))
+            m.samples.labels(phase="train").inc(len(req.rollout))
+            m.tokens.labels(phase="train").inc(int(req.rollout.response_mask.sum()))
+            return message(pb.TrainResult, step=req.step, version=self.version, stats=stats,
+                           train_seconds=time.perf_counter() - t0)
+
+    async def main(self) -> None:
+        c = self.cfg
+        assert c.redis.url is not None
+        self.bus = await Bus.connect(c.redis.url, c.run.name, password=c.redis_password(), **bus_options(c.flow))
+        await self.bus.ensure_groups(self.bus.keys.prompts, ["actor"])
+        await self.bus.ensure_groups(self.bus.keys.rollouts, [*c.stages(), "controller"])
+        self.worker = StreamWorker(self.bus, self.bus.keys.prompts, "actor", self.instance, self.handle,
+                                   self.metrics, gate=self.gate)
+        await self.runtime.refresh_readiness()
+        await self.worker.run()
+
+
+class _ActorServicer(pb_grpc.ActorServicer):
+    def __init__(self, actor: Actor) -> None:
+        self.a = actor
+
+    async def Train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:  # noqa: N802
+        return await self.a.train(request, context)
+
+    async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context: Any) -> pb.UpdateWeightsResponse:  # noqa: N802
+        check_schema_version(request)
+        # Weights reach the engine in-process after every Train; loading from a checkpoint path
+        # arrives with the checkpoint work. Say so instead of pretending.
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "UpdateWeights from a checkpoint path is not supported yet")
+        raise AssertionError("unreachable: abort raises")
+
+    async def GetState(self, request: pb.GetStateRequest, context: Any) -> pb.ServiceState:  # noqa: N802
+        check_schema_version(request)
+        return message(pb.ServiceState, service="actor", instance_id=self.a.instance, state=self.a.runtime.state,
+                       version=self.a.version)
+
+    async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:  # noqa: N802
+        check_schema_version(request)
+        self.a.runtime.request_drain("rpc")
+        return message(pb.DrainResponse, accepted=True, state="draining")
+
+
+def serve(cfg: RunConfig) -> None:
+    actor = Actor(cfg)
+    servicer = _ActorServicer(actor)
+    actor.runtime.add_grpc_service("rlfleet.v1.Actor", lambda s: pb_grpc.add_ActorServicer_to_server(servicer, s))
+    actor.runtime.run(actor.main)

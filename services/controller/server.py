@@ -1,0 +1,386 @@
+"""The controller: owns the run. It admits prompts (bounded by the staleness budget), journals every
+task, joins rollouts with their scores, computes advantages, drives `Train` on the actor and the
+critic in parallel, and records each step. The LMDB journal is the source of truth; Redis is only
+transport, so after a restart the controller rebuilds its view from the journal and re-enqueues
+whatever is not terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.controller.assembler import StepAssembler, prompt_batch_of
+from services.core.bus import Bus, BusUnavailable, Message, bus_options
+from services.core.config import RunConfig
+from services.core.events import EventLog
+from services.core.ids import batch_id as make_batch_id
+from services.core.ids import generation_seed, task_id
+from services.core.journal import Journal, JournalFull, TaskSpec
+from services.core.pb import rlfleet_pb2 as pb
+from services.core.pb import rlfleet_pb2_grpc as pb_grpc
+from services.core.runtime import ServiceRuntime, make_channel, rpc
+from services.core.wire import (
+    check_schema_version,
+    message,
+    parse_message,
+    score_from_proto,
+    train_batch_to_proto,
+    validate_rollout_batch,
+)
+from services.core.worker import Rejected, StreamWorker
+from services.models.loading import load_tokenizer
+from services.rl import batch as rb
+from services.rl.pipeline import compute_advantages
+from services.tasks import load_task
+
+log = logging.getLogger("rlfleet.controller")
+
+ROLLOUT = "rollout"  # journal result stage under which the winning rollout of a prompt batch is kept
+MIN_FREE_DISK = 64 * 1024 * 1024
+
+
+class Controller:
+    def __init__(self, cfg: RunConfig) -> None:
+        assert cfg.models.policy.path is not None, "the launcher resolves models.policy.path"
+        self.cfg = cfg
+        self.task = load_task(cfg.task)
+        self.tokenizer = load_tokenizer(Path(cfg.models.policy.path))
+        self.stages = cfg.stages()
+        self.trainable = ["actor", "critic"] if cfg.algo.needs_critic else ["actor"]
+        run_dir = cfg.run_dir
+        self.journal = Journal.open(run_dir / "journal", stages=tuple(self.stages), trainable=tuple(self.trainable))
+        self.events = EventLog(run_dir / "events.jsonl")
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step)
+        self.runtime = ServiceRuntime.from_config(
+            cfg, "controller", readiness=self.readiness, status=self.status, on_drain=self.on_drain)
+        self.metrics = self.runtime.metrics
+        self.bus: Bus | None = None
+        self.workers: list[StreamWorker] = []
+        self.version = self.journal.versions.get("actor", 0)
+        self.last: dict[str, Any] = {}
+        self.admission_open = True
+        self.done = False
+        self.instance = f"controller-{os.getpid()}"
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.t_last_step = time.perf_counter()
+
+    # -- runtime callbacks ---------------------------------------------------------------------------
+    async def readiness(self) -> list[str]:
+        reasons = []
+        if self.bus is None:
+            reasons.append("connecting to redis")
+        elif any(not w.redis_ok for w in self.workers):
+            reasons.append("redis unreachable")
+        if not self.journal.has_space(MIN_FREE_DISK):
+            reasons.append(f"journal disk nearly full ({self.journal.disk_free_bytes()} bytes free)")
+        return reasons
+
+    async def status(self) -> dict[str, Any]:
+        return {
+            "step": self.journal.step, "max_steps": self.cfg.run.max_steps, "version": self.version,
+            "in_flight": self.journal.in_flight(), "admission_open": self.admission_open,
+            "done": self.done, "last": self.last,
+        }
+
+    async def on_drain(self) -> None:
+        for w in self.workers:
+            await w.drain()
+        for ch in self.channels.values():
+            await ch.close()
+        if self.bus is not None:
+            await self.bus.close()
+        self.events.close()
+        self.journal.close()
+
+    # -- admission -----------------------------------------------------------------------------------
+    def _message_tasks(self, first: int) -> list[TaskSpec]:
+        g = self.cfg.algo.group_size
+        return [TaskSpec(task_id(i, k), i, k, i)
+                for i in range(first, first + self.cfg.batch.prompts_per_message) for k in range(g)]
+
+    def _prompt_batch(self, first: int) -> pb.PromptBatch:
+        c = self.cfg
+        g = c.generation
+        stops = sorted({self.tokenizer.eos_token_id, *g.stop_token_ids})
+        sampling = pb.SamplingParams(
+            temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=g.max_new_tokens,
+            stop_token_ids=stops, seed=generation_seed(c.run.seed, first))
+        batch = message(pb.PromptBatch, batch_id=make_batch_id(first), version=self.version,
+                        sampling=sampling, step=self.journal.step)
+        for spec in self._message_tasks(first):
+            text = self.task.prompt(spec.dataset_index).text
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            batch.prompts.add(task_id=spec.task_id, token_ids=ids, dataset_index=spec.dataset_index,
+                              sample_index=spec.sample_index, group_id=spec.group_id)
+        return batch
+
+    async def _publish_prompts(self, first: int) -> None:
+        assert self.bus is not None
+        data = self._prompt_batch(first).SerializeToString()
+        await self.bus.publish(self.bus.keys.prompts, data, kind="prompts", batch_id=make_batch_id(first))
+
+    async def admit_loop(self) -> None:
+        c = self.cfg
+        per_msg = c.batch.prompts_per_message * c.algo.group_size
+        budget = (c.flow.max_staleness + 1) * c.samples_per_step
+        last_index = c.run.max_steps * c.batch.prompts_per_step
+        while not self.done:
+            can = self.journal.has_space(MIN_FREE_DISK)
+            in_flight = self.journal.in_flight()
+            self.metrics.in_flight.set(in_flight)
+            first = self.journal.cursor
+            self.admission_open = can and in_flight + per_msg <= budget
+            self.metrics.admission_open.set(int(self.admission_open))
+            if not self.admission_open or first >= last_index:
+                await asyncio.sleep(0.05)
+                continue
+            tasks = self._message_tasks(first)
+            try:
+                await asyncio.to_thread(self.journal.admit, tasks, first + c.batch.prompts_per_message)
+            except JournalFull as e:
+                log.error("journal full; admission stopped until space returns", extra={"error": str(e)})
+                await asyncio.sleep(1.0)
+                continue
+            self.events.emit("admitted", task_ids=[t.task_id for t in tasks], cursor=first)
+            await self._retry_bus(lambda f=first: self._publish_prompts(f))
+
+    async def _retry_bus(self, op: Any) -> None:
+        """The journal already holds the task; publishing is retried until Redis answers."""
+        backoff = 0.2
+        while True:
+            try:
+                await op()
+                return
+            except BusUnavailable as e:
+                log.warning("redis unavailable while publishing; retrying", extra={"error": str(e)})
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    # -- joining results -----------------------------------------------------------------------------
+    async def on_rollout(self, msg: Message) -> None:
+        rbm = parse_message(pb.RolloutBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
+        rollout = validate_rollout_batch(rbm, self.cfg.flow.max_message_bytes)
+        rid = rbm.batch_id
+        pbid = prompt_batch_of(rid)
+        expected = {t.task_id for t in self._message_tasks(self._first_of(pbid))}
+        if set(rollout.task_ids) != expected:
+            raise Rejected("unknown_tasks", f"rollout {rid!r} carries task ids that prompt batch {pbid!r} "
+                                            "did not admit")
+        # First rollout of a prompt batch wins; a regenerated duplicate is dropped.
+        if not await asyncio.to_thread(self.journal.put_result_if_absent, pbid, ROLLOUT, msg.data):
+            return
+        await asyncio.to_thread(self.journal.mark_generated, rollout.task_ids, rollout.version, rid)
+        self.events.emit("generated", task_ids=rollout.task_ids, version=rollout.version)
+        self.assembler.add_rollout(rid, rollout, order=self._first_of(pbid))
+        await self._after_score(rid)
+
+    async def on_score(self, msg: Message) -> None:
+        sb = parse_message(pb.ScoreBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
+        if sb.stage not in self.stages:
+            raise Rejected("unknown_stage", f"score from stage {sb.stage!r}; this run uses {self.stages}")
+        scores = score_from_proto(sb, max_bytes=self.cfg.flow.max_message_bytes, expected_stage=sb.stage,
+                                  expected_rows=self.cfg.batch.prompts_per_message * self.cfg.algo.group_size)
+        if not await asyncio.to_thread(self.journal.put_result_if_absent, sb.batch_id, sb.stage, msg.data):
+            return  # a redelivered score: already counted once
+        self.assembler.add_score(sb.batch_id, sb.stage, scores.tensor)
+        await self._after_score(sb.batch_id)
+
+    async def _after_score(self, rollout_id: str) -> None:
+        pbid = prompt_batch_of(rollout_id)
+        if self.assembler.rollout_id_of(pbid) != rollout_id:
+            return
+        if pbid in self.assembler.complete():
+            ids = [t.task_id for t in self._message_tasks(self._first_of(pbid))]
+            for stage in self.stages:
+                await asyncio.to_thread(self.journal.mark_stage_done, ids, stage)
+            self.events.emit("scored", task_ids=ids)
+
+    @staticmethod
+    def _first_of(prompt_batch_id: str) -> int:
+        if not prompt_batch_id.startswith("b") or not prompt_batch_id[1:].isdigit():
+            raise Rejected("bad_batch_id", f"malformed batch id {prompt_batch_id!r}")
+        return int(prompt_batch_id[1:])
+
+    # -- training ------------------------------------------------------------------------------------
+    def _stub(self, name: str) -> Any:
+        if name not in self.channels:
+            ep = self.cfg.endpoint(name)  # type: ignore[arg-type]
+            self.channels[name] = make_channel(ep.host, ep.grpc_port, self.cfg.flow.max_message_bytes)
+        ch = self.channels[name]
+        return pb_grpc.ActorStub(ch) if name == "actor" else pb_grpc.CriticStub(ch)
+
+    async def _train(self, name: str, batch: pb.TrainBatch) -> pb.TrainResult:
+        return await rpc(self._stub(name).Train, batch, timeout_s=self.cfg.flow.rpc_timeout_s, idempotent=True,
+                         retries=5, token=self.cfg.token())
+
+    async def step_loop(self) -> None:
+        c = self.cfg
+        while self.journal.step < c.run.max_steps:
+            parts = self.assembler.take_step()
+            if parts is None:
+                await asyncio.sleep(0.02)
+                continue
+            await self.train_step([r for _, r in parts])
+        self.done = True
+
+    async def train_step(self, parts: list[rb.Rollout]) -> None:
+        c = self.cfg
+        step = self.journal.step
+        t0 = time.perf_counter()
+        r = rb.concat(parts, pad_id=self.tokenizer.pad_token_id)
+        stats = compute_advantages(r, c.algo)
+        target = self.version + 1
+        batch = train_batch_to_proto(r, step=step, batch_id=f"s{step}", target_version=target)
+        data = batch.SerializeToString()
+        await asyncio.to_thread(self.journal.put_batch, step + 1, data)
+        t_adv = time.perf_counter()
+        calls = [self._train("actor", batch)]
+        if c.algo.needs_critic:
+            calls.append(self._train("critic", batch))
+        results = await asyncio.gather(*calls)
+        t_train = time.perf_counter()
+        gen_versions = r.versions.tolist() if r.versions is not None else [r.version] * len(r)
+        await asyncio.to_thread(self.journal.mark_trained, r.task_ids, step + 1, self.version,
+                                c.flow.max_staleness)
+        for name in self.trainable:
+            await asyncio.to_thread(self.journal.set_version, name, target)
+        self.events.emit("trained", step=step + 1, task_ids=r.task_ids, version=self.version,
+                         generated_versions=gen_versions)
+        staleness = self.version - min(gen_versions)
+        self.version = target
+        for res in results:
+            stats.update({k: float(v) for k, v in res.stats.items()})
+        now = time.perf_counter()
+        tokens = int(r.response_mask.sum())
+        elapsed = now - self.t_last_step
+        self.t_last_step = now
+        depths = await self._depths()
+        row = {
+            "step": step + 1, "version": self.version, **stats, "tokens": tokens, "samples": len(r),
+            "tokens_per_s": tokens / elapsed, "samples_per_s": len(r) / elapsed,
+            "advantage_s": t_adv - t0, "train_s": t_train - t_adv, "step_s": elapsed, "staleness": staleness,
+            **{f"queue_{k}": v for k, v in depths.items()},
+        }
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.last = {k: row[k] for k in ("step", "reward_mean", "tokens_per_s", "staleness") if k in row}
+        if "kl" in row:
+            self.last["kl"] = row["kl"]
+        m = self.metrics
+        m.policy_version.set(self.version)
+        m.staleness.set(staleness)
+        m.reward_mean.set(stats["reward_mean"])
+        if "kl" in stats:
+            m.kl.set(stats["kl"])
+        m.loss.labels(kind="policy").set(stats.get("policy_loss", 0.0))
+        m.samples.labels(phase="train").inc(len(r))
+        m.tokens.labels(phase="train").inc(tokens)
+        m.stage_latency.labels(stage="step").observe(elapsed)
+        self.events.emit("resources", queue_depths=depths, rss_bytes=_rss_bytes(), disk_bytes=self.journal.usage())
+
+    async def _depths(self) -> dict[str, int]:
+        assert self.bus is not None
+        try:
+            # Fully acknowledged entries are dropped so stream length tracks real backlog; trimming
+            # never passes an entry some group still needs.
+            for stream in (self.bus.keys.prompts, self.bus.keys.rollouts, self.bus.keys.scores):
+                await self.bus.trim_acked(stream)
+            depths = await self.bus.stream_depths()
+        except BusUnavailable:
+            return {}
+        for k, v in depths.items():
+            self.metrics.queue_depth.labels(stream=k, group="all").set(v)
+        return depths
+
+    # -- crash recovery -----------------------------------------------------------------------------
+    async def reconcile(self) -> None:
+        """Rebuild the in-memory join from the journal and re-enqueue prompt batches whose rollout
+        never arrived; scores already journaled are restored, the rest will be redelivered."""
+        pending = await asyncio.to_thread(self.journal.non_terminal)
+        batches: dict[int, list[Any]] = {}
+        for rec in pending:
+            batches.setdefault(rec.dataset_index - rec.dataset_index % self.cfg.batch.prompts_per_message,
+                               []).append(rec)
+        for first in sorted(batches):
+            pbid = make_batch_id(first)
+            raw = await asyncio.to_thread(self.journal.get_result, pbid, ROLLOUT)
+            if raw is None:
+                await self._retry_bus(lambda f=first: self._publish_prompts(f))
+                continue
+            rbm = parse_message(pb.RolloutBatch, raw, max_bytes=self.cfg.flow.max_message_bytes)
+            rollout = validate_rollout_batch(rbm, self.cfg.flow.max_message_bytes)
+            self.assembler.add_rollout(rbm.batch_id, rollout, order=first)
+            for stage in self.stages:
+                s_raw = await asyncio.to_thread(self.journal.get_result, rbm.batch_id, stage)
+                if s_raw is not None:
+                    sb = parse_message(pb.ScoreBatch, s_raw, max_bytes=self.cfg.flow.max_message_bytes)
+                    self.assembler.add_score(rbm.batch_id, stage,
+                                             score_from_proto(sb, max_bytes=self.cfg.flow.max_message_bytes).tensor)
+        if batches:
+            log.info("reconciled journal", extra={"non_terminal_tasks": len(pending), "batches": len(batches)})
+
+    async def main(self) -> None:
+        c = self.cfg
+        assert c.redis.url is not None
+        self.bus = await Bus.connect(c.redis.url, c.run.name, password=c.redis_password(), **bus_options(c.flow))
+        keys = self.bus.keys
+        await self.bus.ensure_groups(keys.prompts, ["actor"])
+        await self.bus.ensure_groups(keys.rollouts, [*self.stages, "controller"])
+        await self.bus.ensure_groups(keys.scores, ["controller"])
+        await self.reconcile()
+        self.workers = [
+            StreamWorker(self.bus, keys.rollouts, "controller", self.instance, self.on_rollout, self.metrics,
+                         count=8),
+            StreamWorker(self.bus, keys.scores, "controller", self.instance, self.on_score, self.metrics,
+                         count=16),
+        ]
+        await self.runtime.refresh_readiness()
+        tasks = [asyncio.create_task(w.run()) for w in self.workers]
+        tasks.append(asyncio.create_task(self.admit_loop()))
+        step = asyncio.create_task(self.step_loop())
+        done, _ = await asyncio.wait([step, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            t.result()  # a crashed consumer or admission loop fails the controller fast
+        log.info("run finished", extra={"steps": self.journal.step})
+        # Returning from main drains the service and exits 0: the launcher reads that as "done".
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+class _ControllerServicer(pb_grpc.ControllerServicer):
+    def __init__(self, ctl: Controller) -> None:
+        self.c = ctl
+
+    async def GetState(self, request: pb.GetStateRequest, context: Any) -> pb.ServiceState:  # noqa: N802
+        check_schema_version(request)
+        return message(pb.ServiceState, service="controller", instance_id=self.c.instance,
+                       state=self.c.runtime.state, version=self.c.version, step=self.c.journal.step)
+
+    async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:  # noqa: N802
+        check_schema_version(request)
+        self.c.runtime.request_drain("rpc")
+        return message(pb.DrainResponse, accepted=True, state="draining")
+
+
+def serve(cfg: RunConfig) -> None:
+    ctl = Controller(cfg)
+    servicer = _ControllerServicer(ctl)
+    ctl.runtime.add_grpc_service("rlfleet.v1.Controller",
+                                 lambda s: pb_grpc.add_ControllerServicer_to_server(servicer, s))
+    ctl.runtime.run(ctl.main)
+

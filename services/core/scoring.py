@@ -1,0 +1,120 @@
+"""The shape shared by the scoring services (reward, reference, critic): consume the rollouts
+stream in the stage's consumer group, score each batch, publish a ScoreBatch, ack."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import torch
+
+from services.core.bus import Bus, Message, bus_options
+from services.core.config import RunConfig, ServiceName
+from services.core.pb import rlfleet_pb2 as pb
+from services.core.pb import rlfleet_pb2_grpc as pb_grpc
+from services.core.runtime import ServiceRuntime
+from services.core.wire import check_schema_version, message, parse_message, score_to_proto, validate_rollout_batch
+from services.core.worker import StreamWorker
+from services.rl.batch import Rollout
+
+log = logging.getLogger("rlfleet.scoring")
+
+ScoreFn = Callable[[Rollout], torch.Tensor]
+
+
+class ScoringService:
+    def __init__(self, cfg: RunConfig, stage: ServiceName, score: ScoreFn,
+                 version: Callable[[], int] = lambda: 0) -> None:
+        self.cfg = cfg
+        self.stage = stage
+        self.score_fn = score
+        self.version = version
+        self.instance = f"{stage}-{os.getpid()}"
+        self.runtime = ServiceRuntime.from_config(
+            cfg, stage, readiness=self.readiness, status=self.status, on_drain=self.on_drain,
+        )
+        self.metrics = self.runtime.metrics
+        self.bus: Bus | None = None
+        self.worker: StreamWorker | None = None
+        # One model, one forward at a time: training (critic) and scoring share it.
+        self.model_lock = asyncio.Lock()
+
+    # -- runtime callbacks ---------------------------------------------------------------------------
+    async def readiness(self) -> list[str]:
+        if self.worker is None:
+            return ["connecting to redis"]
+        return [] if self.worker.redis_ok else ["redis unreachable"]
+
+    async def status(self) -> dict[str, Any]:
+        w = self.worker
+        return {"stage": self.stage, "version": self.version(), "handled": w.handled if w else 0,
+                "in_flight": w.in_flight if w else 0}
+
+    async def on_drain(self) -> None:
+        if self.worker is not None:
+            await self.worker.drain()
+        if self.bus is not None:
+            await self.bus.close()
+
+    # -- the work ------------------------------------------------------------------------------------
+    async def handle(self, msg: Message) -> None:
+        assert self.bus is not None
+        rb = parse_message(pb.RolloutBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
+        rollout = validate_rollout_batch(rb, self.cfg.flow.max_message_bytes)
+        t0 = time.perf_counter()
+        with self.metrics.time_stage(self.stage):
+            async with self.model_lock:
+                scores = await asyncio.to_thread(self.score_fn, rollout)
+        out = score_to_proto(rb.batch_id, self.stage, rollout.task_ids, scores, version=self.version(),
+                             score_seconds=time.perf_counter() - t0)
+        await self.bus.publish(self.bus.keys.scores, out.SerializeToString(), kind="score",
+                               stage=self.stage, batch_id=rb.batch_id)
+        self.metrics.samples.labels(phase="score").inc(len(rollout))
+        self.metrics.tokens.labels(phase="score").inc(int(rollout.response_mask.sum()))
+        self.metrics.policy_version.set(self.version())
+
+    async def main(self) -> None:
+        c = self.cfg
+        assert c.redis.url is not None, "redis.url must be resolved before a service starts"
+        self.bus = await Bus.connect(c.redis.url, c.run.name, password=c.redis_password(), **bus_options(c.flow))
+        await self.bus.ensure_groups(self.bus.keys.rollouts, [self.stage])
+        self.worker = StreamWorker(self.bus, self.bus.keys.rollouts, self.stage, self.instance, self.handle,
+                                   self.metrics)
+        await self.runtime.refresh_readiness()
+        await self.worker.run()
+
+    # -- gRPC ----------------------------------------------------------------------------------------
+    def state_message(self) -> pb.ServiceState:
+        return message(pb.ServiceState, service=self.stage, instance_id=self.instance, state=self.runtime.state,
+                       version=self.version())
+
+    def drain_rpc(self, request: pb.DrainRequest) -> pb.DrainResponse:
+        check_schema_version(request)
+        self.runtime.request_drain("rpc")
+        return message(pb.DrainResponse, accepted=True, state="draining")
+
+    def run(self, register: Callable[[grpc.aio.Server], None] | None = None, grpc_name: str = "") -> None:
+        if register is None:
+            servicer = _ScorerServicer(self)
+            self.runtime.add_grpc_service(
+                "rlfleet.v1.Scorer", lambda s: pb_grpc.add_ScorerServicer_to_server(servicer, s))
+        else:
+            self.runtime.add_grpc_service(grpc_name, register)
+        self.runtime.run(self.main)
+
+
+class _ScorerServicer(pb_grpc.ScorerServicer):
+    def __init__(self, svc: ScoringService) -> None:
+        self.svc = svc
+
+    async def GetState(self, request: pb.GetStateRequest, context: Any) -> pb.ServiceState:  # noqa: N802
+        check_schema_version(request)
+        return self.svc.state_message()
+
+    async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:  # noqa: N802
+        return self.svc.drain_rpc(request)

@@ -1,0 +1,79 @@
+"""The critic service: values for every rollout (a scoring stage) and value-loss training (`Train`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import torch
+
+from services.core.config import RunConfig
+from services.core.pb import rlfleet_pb2 as pb
+from services.core.pb import rlfleet_pb2_grpc as pb_grpc
+from services.core.scoring import ScoringService
+from services.core.wire import WireError, check_schema_version, message, train_batch_from_proto
+from services.local import critic_path
+from services.models.critic import ValueModel
+from services.rl.batch import Rollout
+from services.rl.trainer import ValueTrainer
+
+
+class Critic:
+    def __init__(self, cfg: RunConfig) -> None:
+        assert cfg.models.policy.path is not None, "the launcher resolves models.policy.path"
+        self.cfg = cfg
+        self.model = ValueModel.from_policy(critic_path(cfg, cfg.models.policy.path))  # type: ignore[arg-type]
+        self.trainer = ValueTrainer(self.model, cfg.algo, seed=cfg.run.seed)
+        self.version = 0
+        self.svc = ScoringService(cfg, "critic", self.score, version=lambda: self.version)
+
+    @torch.no_grad()
+    def score(self, r: Rollout) -> torch.Tensor:
+        return self.model.values(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+
+    async def train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:
+        try:
+            req = train_batch_from_proto(request, self.cfg.flow.max_message_bytes, require=("returns", "values"))
+        except WireError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
+        if self.version >= req.target_version:
+            # A replay after a controller restart: the step is already in these weights.
+            return message(pb.TrainResult, step=req.step, version=self.version, replayed=True)
+        if req.target_version != self.version + 1:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"critic at version {self.version} cannot apply a step targeting "
+                                f"{req.target_version}: replay the missing steps first")
+        t0 = time.perf_counter()
+        m = self.svc.metrics
+        with m.time_stage("critic_train"):
+            async with self.svc.model_lock:
+                stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step)
+        self.version = req.target_version
+        m.policy_version.set(self.version)
+        m.loss.labels(kind="value").set(stats.get("value_loss", 0.0))
+        m.samples.labels(phase="train").inc(len(req.rollout))
+        return message(pb.TrainResult, step=req.step, version=self.version, stats=stats,
+                       train_seconds=time.perf_counter() - t0)
+
+
+class _CriticServicer(pb_grpc.CriticServicer):
+    def __init__(self, critic: Critic) -> None:
+        self.c = critic
+
+    async def Train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:  # noqa: N802
+        return await self.c.train(request, context)
+
+    async def GetState(self, request: pb.GetStateRequest, context: Any) -> pb.ServiceState:  # noqa: N802
+        check_schema_version(request)
+        return self.c.svc.state_message()
+
+    async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:  # noqa: N802
+        return self.c.svc.drain_rpc(request)
+
+
+def serve(cfg: RunConfig) -> None:
+    critic = Critic(cfg)
+    servicer = _CriticServicer(critic)
+    critic.svc.run(lambda s: pb_grpc.add_CriticServicer_to_server(servicer, s), grpc_name="rlfleet.v1.Critic")

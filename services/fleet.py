@@ -1,0 +1,207 @@
+"""`rlfleet up`: run a whole fleet on this host, one process per service, and supervise it.
+
+The launcher resolves everything services must agree on (ports, Redis URL, model paths, absolute
+run directory) once, writes it to `RUN_DIR/fleet.yaml`, and starts every service from that file.
+A service that dies is restarted within a bounded budget; the run is done when the controller
+exits 0 after its last step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from services.core.config import RunConfig, ServiceName, parse_config
+from services.core.redis_proc import RedisProcess, free_port, start_redis
+
+log = logging.getLogger("rlfleet.fleet")
+
+
+class FleetError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServiceProc:
+    name: ServiceName
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    http_port: int
+    restarts: int = 0
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def resolve_fleet_config(cfg: RunConfig, redis_url: str | None) -> RunConfig:
+    """Fill in what services must agree on: free ports for port 0, the Redis URL, absolute paths."""
+    data: dict[str, Any] = cfg.model_dump(mode="json")
+    data["run"]["dir"] = str(cfg.run_dir.resolve())
+    if redis_url is not None:
+        data["redis"]["url"] = redis_url
+    for name in cfg.services_needed():
+        ep = data["services"].setdefault(name, cfg.endpoint(name).model_dump())
+        for key in ("grpc_port", "http_port"):
+            if not ep[key]:
+                ep[key] = free_port(ep["host"])
+    pol = data["models"]["policy"]
+    if pol["path"] is None:
+        pol["path"] = str((cfg.run_dir / "models" / "policy").resolve())
+    return parse_config(data, source="fleet config")
+
+
+class Fleet:
+    def __init__(self, cfg: RunConfig, restart_budget: int = 3, python: str = sys.executable) -> None:
+        self.base_cfg = cfg
+        self.run_dir = cfg.run_dir.resolve()
+        self.restart_budget = restart_budget
+        self.python = python
+        self.redis: RedisProcess | None = None
+        self.procs: dict[str, ServiceProc] = {}
+        self.cfg: RunConfig | None = None
+        self.config_path = self.run_dir / "fleet.yaml"
+
+    # -- start-up --------------------------------------------------------------------------------
+    def prepare(self) -> RunConfig:
+        from services.local import prepare as prepare_models
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        redis_url = None
+        if self.base_cfg.redis.url is None:
+            self.redis = start_redis(self.run_dir / "redis", password=self.base_cfg.redis_password())
+            redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"  # password travels via env only
+        cfg = resolve_fleet_config(self.base_cfg, redis_url)
+        # Build the tiny model once here, so services never race to build it.
+        prepare_models(cfg)
+        self.config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        self.cfg = cfg
+        return cfg
+
+    def _spawn(self, name: ServiceName) -> ServiceProc:
+        assert self.cfg is not None
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with log_path.open("ab") as out:
+            proc = subprocess.Popen(
+                [self.python, "-m", f"services.{name}", "--config", str(self.config_path)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops services in order
+            )
+        return ServiceProc(name, proc, log_path, self.cfg.endpoint(name).http_port)
+
+    def start(self, ready_timeout_s: float = 180.0) -> None:
+        cfg = self.cfg or self.prepare()
+        # Scorers and the actor first: the controller starts admitting as soon as it is ready.
+        order = [n for n in cfg.services_needed() if n != "controller"] + ["controller"]
+        for name in order:
+            self.procs[name] = self._spawn(name)  # type: ignore[arg-type]
+        self.wait_ready(ready_timeout_s)
+
+    def http(self, name: str, path: str, timeout: float = 2.0) -> httpx.Response:
+        assert self.cfg is not None
+        ep = self.cfg.endpoint(name)  # type: ignore[arg-type]
+        return httpx.get(f"http://{ep.host}:{ep.http_port}{path}", timeout=timeout)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        waiting = set(self.procs)
+        while waiting:
+            for name in list(waiting):
+                sp = self.procs[name]
+                if not sp.alive:
+                    raise FleetError(f"{name} exited with code {sp.proc.returncode} while starting; "
+                                     f"see {sp.log_path}:\n{tail(sp.log_path)}")
+                try:
+                    if self.http(name, "/readyz").status_code == 200:
+                        waiting.discard(name)
+                except httpx.HTTPError:
+                    pass
+            if time.monotonic() > deadline:
+                raise FleetError(f"services not ready after {timeout_s:.0f}s: {', '.join(sorted(waiting))}")
+            time.sleep(0.2)
+
+    # -- supervision -----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, sp in self.procs.items():
+            row: dict[str, Any] = {"pid": sp.proc.pid, "alive": sp.alive, "restarts": sp.restarts}
+            try:
+                row.update(self.http(name, "/v1/status", timeout=1.0).json())
+            except (httpx.HTTPError, ValueError):
+                row["state"] = "unreachable" if sp.alive else "exited"
+            out[name] = row
+        return out
+
+    def supervise(self, on_tick: Callable[[dict[str, Any]], None] | None = None, poll_s: float = 0.5,
+                  timeout_s: float | None = None) -> int:
+        """Run until the controller finishes; restart dead services within the budget."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            ctl = self.procs["controller"]
+            if not ctl.alive and ctl.proc.returncode == 0:
+                return 0
+            for name, sp in list(self.procs.items()):
+                if sp.alive:
+                    continue
+                if sp.restarts >= self.restart_budget:
+                    raise FleetError(f"{name} died {sp.restarts + 1} times (restart budget {self.restart_budget});"
+                                     f" last exit code {sp.proc.returncode}; see {sp.log_path}:\n{tail(sp.log_path)}")
+                log.warning("service died; restarting",
+                            extra={"service": name, "code": sp.proc.returncode, "restarts": sp.restarts + 1})
+                new = self._spawn(sp.name)
+                new.restarts = sp.restarts + 1
+                self.procs[name] = new
+            if on_tick is not None:
+                on_tick(self.status())
+            if deadline is not None and time.monotonic() > deadline:
+                raise FleetError(f"run did not finish within {timeout_s:.0f}s")
+            time.sleep(poll_s)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        # Controller first so nothing new is admitted, then the workers, then Redis.
+        order = sorted(self.procs, key=lambda n: n != "controller")
+        for name in order:
+            sp = self.procs[name]
+            if sp.alive:
+                sp.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for sp in self.procs.values():
+            try:
+                sp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                sp.proc.kill()
+                sp.proc.wait(timeout=5)
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def read_service_files(run_dir: Path) -> dict[str, dict[str, Any]]:
+    out = {}
+    for f in sorted((run_dir / "services").glob("*.json")):
+        try:
+            out[f.stem] = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out

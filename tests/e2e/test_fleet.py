@@ -1,0 +1,97 @@
+"""The fleet end to end: every service its own process, a real redis-server, real models."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.local import run_local
+from services.report import read_metrics, write_report
+from tests.e2e.conftest import tiny_config
+
+pytestmark = pytest.mark.slow
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def test_fleet_matches_local_loop_on_policy(tmp_path: Path, tiny_model: Path, fleet_factory) -> None:
+    """max_staleness 0 and one seed: the fleet learns exactly like the single-process loop."""
+    steps = 3
+    local_cfg = tiny_config(tmp_path / "local", tiny_model, run={"max_steps": steps})
+    run_local(local_cfg)
+    fleet_cfg = tiny_config(tmp_path / "fleet", tiny_model, run={"max_steps": steps})
+    fleet = fleet_factory(fleet_cfg)
+    fleet.start(ready_timeout_s=180)
+    assert fleet.supervise(timeout_s=240) == 0
+    local, remote = _rows(tmp_path / "local"), _rows(tmp_path / "fleet")
+    assert [r["step"] for r in remote] == list(range(1, steps + 1))
+    for a, b in zip(local, remote, strict=True):
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6)
+        assert b["kl"] == pytest.approx(a["kl"], abs=1e-4)
+        assert b["policy_loss"] == pytest.approx(a["policy_loss"], abs=1e-4)
+    pids = {sp.proc.pid for sp in fleet.procs.values()}
+    assert len(pids) == len(fleet_cfg.services_needed())
+    report = write_report(tmp_path / "fleet")
+    assert "data:image/png;base64" in report.read_text()
+
+
+def _scrape(host: str, port: int) -> dict[str, float]:
+    text = httpx.get(f"http://{host}:{port}/metrics", timeout=2).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([-+0-9.eEinfa]+)$", line)
+        if m:
+            key = m.group(1) + (m.group(2) or "")
+            out[key] = float(m.group(3))
+    return out
+
+
+def _total(sample: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in sample.items() if k.startswith(prefix))
+
+
+def test_ppo_fleet_metrics_move_during_a_run(tmp_path: Path, tiny_model: Path, fleet_factory) -> None:
+    """PPO starts a critic; /metrics of every service shows work happening while the run goes on."""
+    cfg = tiny_config(tmp_path / "ppo", tiny_model, run={"max_steps": 4},
+                      algo={"name": "ppo", "group_size": 2, "kl_coef": 0.05, "kl_in": "reward"},
+                      batch={"prompts_per_step": 16, "prompts_per_message": 4})
+    fleet = fleet_factory(cfg)
+    fleet.start(ready_timeout_s=180)
+    assert set(fleet.procs) == {"controller", "actor", "reward", "reference", "critic"}
+    assert fleet.cfg is not None
+    before = {n: _scrape("127.0.0.1", fleet.cfg.endpoint(n).http_port) for n in fleet.procs}
+    deadline = time.monotonic() + 240
+    while fleet.procs["controller"].alive and time.monotonic() < deadline:
+        st = fleet.status().get("controller", {}).get("detail", {})
+        if st.get("step", 0) >= 2:
+            break
+        time.sleep(0.3)
+    after = {n: _scrape("127.0.0.1", fleet.cfg.endpoint(n).http_port) for n in fleet.procs}
+    assert _total(after["actor"], 'rlfleet_tokens_total{phase="generate"') > _total(
+        before["actor"], 'rlfleet_tokens_total{phase="generate"')
+    for stage in ("reward", "reference", "critic"):
+        assert _total(after[stage], 'rlfleet_samples_total{phase="score"') > 0, stage
+    assert after["controller"]['rlfleet_policy_version{service="controller"}'] >= 2
+    assert _total(after["actor"], "rlfleet_stage_latency_seconds_count") > 0
+    assert any(k.startswith("rlfleet_fill_ratio") for k in after["actor"])
+    assert fleet.supervise(timeout_s=240) == 0
+    rows = _rows(tmp_path / "ppo")
+    assert len(rows) == 4 and all("value_loss" in r for r in rows)
+    events = [json.loads(x)["kind"] for x in (tmp_path / "ppo" / "events.jsonl").read_text().splitlines()]
+    assert events.count("trained") == 4
+
+
+def test_grpo_without_kl_starts_no_critic_and_no_reference(tmp_path: Path, tiny_model: Path, fleet_factory) -> None:
+    cfg = tiny_config(tmp_path / "grpo", tiny_model, run={"max_steps": 2}, algo={"kl_coef": 0.0})
+    fleet = fleet_factory(cfg)
+    fleet.start(ready_timeout_s=180)
+    assert set(fleet.procs) == {"controller", "actor", "reward"}
+    assert fleet.supervise(timeout_s=240) == 0
+    assert len(_rows(tmp_path / "grpo")) == 2
