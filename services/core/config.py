@@ -61,7 +61,7 @@ class TinyModelSpec(_Strict):
     num_heads: Annotated[int, Field(ge=1)] = 4
     num_kv_heads: Annotated[int, Field(ge=1)] = 2
     intermediate_size: Annotated[int, Field(ge=8)] = 128
-    warmup_steps: Annotated[int, Field(ge=0)] = 200
+    warmup_steps: Annotated[int, Field(ge=0)] = 250
     warmup_lr: Annotated[float, Field(gt=0)] = 3e-3
 
     @model_validator(mode="after")

@@ -1,0 +1,181 @@
+"""The generation-engine interface the actor and the local loop use, and the engine factory.
+
+Contract every backend keeps (pinned by tests/unit/test_engine_contract.py):
+
+- `generate(prompts, params)` returns one `Completion` per prompt, in order. A completion holds at
+  most `max_new_tokens` tokens. Generation of a sequence stops at the first stop token (the
+  tokenizer's EOS plus `params.stop_token_ids`); the stop token is part of the completion and its
+  log-prob counts, since the policy chose to stop. `finish_reason` is "stop", "length" (hit
+  `max_new_tokens` without a stop token) or "abort" (cut short by `abort()`).
+- `logprobs[i]` is the log-prob of `token_ids[i]` under `log_softmax(logits / temperature)` over the
+  full vocabulary, before top-k/top-p filtering (at temperature 0, greedy, under `log_softmax(logits)`).
+- Sampling is seeded by `params.seed`: the same prompts (same order), params and weights give the
+  same completions in every process.
+- `pause()` stops new `generate` calls from starting (they block until `resume()`) and returns once
+  the calls already in flight have finished. `abort()` makes the calls in flight at that moment
+  return early, keeping what they generated, with finish_reason "abort" on unfinished sequences;
+  calls started afterwards are unaffected. For a fast weight sync: `abort(); pause();
+  update_weights(...); resume()`.
+- `update_weights(named_tensors, version)` waits for in-flight calls, then copies the tensors into the
+  engine's model in place. It is strict: every parameter must be given (a tied alias counts for its
+  twin), no unknown name, no shape mismatch, else `WeightSyncError` naming the offenders and nothing
+  is changed. Versions never go backwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from services.rl.batch import Rollout
+
+log = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length", "abort"]
+ENGINE_NAMES: tuple[str, ...] = ("transformers", "vllm")
+
+
+class EngineError(RuntimeError):
+    """An engine that cannot be built or a call it cannot serve."""
+
+
+class EngineUnavailable(EngineError):
+    """The backend's package is not installed (or the backend is not implemented yet)."""
+
+
+class WeightSyncError(EngineError):
+    """`update_weights` got tensors that do not match the engine's model; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's EOS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def in_flight(self) -> int: ...  # generate calls running now (not those blocked by pause)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+def _vllm_status() -> str | None:
+    """None when the vLLM backend can run here, else why not."""
+    if importlib.util.find_spec("vllm") is None:
+        return "generation engine 'vllm' needs the 'vllm' package, which is not importable here" \
+               " (install it with: pip install 'rlfleet[vllm]', or use engine: transformers)"
+    return "the vLLM backend is not implemented yet (use engine: transformers)"
+
+
+def available_engines() -> dict[str, str | None]:
+    """Every backend name mapped to None when it can run here, else the reason it cannot."""
+    return {"transformers": None, "vllm": _vllm_status()}
+
+
+def make_engine(
+    name: str,
+    model_path: Path,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    micro_batch: int = 0,
+) -> GenerationEngine:
+    if name == "transformers":
+        from services.models.hf_engine import TransformersEngine
+
+        return TransformersEngine.from_path(model_path, dtype=dtype, device=device, micro_batch=micro_batch)
+    if name == "vllm":
+        reason = _vllm_status()
+        raise EngineUnavailable(reason or "vllm backend unavailable")
+    raise EngineError(f"unknown generation engine {name!r}; known: {', '.join(ENGINE_NAMES)}")
+
+
+def completions_to_rollout(
+    task_ids: list[str],
+    prompts: list[list[int]],
+    completions: list[Completion],
+    group_ids: list[int],
+    version: int,
+    pad_id: int,
+) -> Rollout:
+    """Pack prompts (left-padded to the longest) and completions (right-padded) into a `Rollout`."""
+    b = len(task_ids)
+    if not len(prompts) == len(completions) == len(group_ids) == b:
+        raise ValueError(f"lengths disagree: {b} task ids, {len(prompts)} prompts, {len(completions)}"
+                         f" completions, {len(group_ids)} group ids")
+    p = max((len(x) for x in prompts), default=0)
+    r = max((len(c.token_ids) for c in completions), default=0)
+    prompt_ids = torch.full((b, p), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((b, p), dtype=torch.bool)
+    response_ids = torch.full((b, r), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((b, r), dtype=torch.bool)
+    logprobs = torch.zeros((b, r), dtype=torch.float32)
+    for i, (ids, c) in enumerate(zip(prompts, completions, strict=True)):
+        if ids:
+            prompt_ids[i, p - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            prompt_mask[i, p - len(ids):] = True
+        n = len(c.token_ids)
+        if n:
+            response_ids[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
+            response_mask[i, :n] = True
+            logprobs[i, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return Rollout(
+        task_ids=list(task_ids),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        behaviour_logprobs=logprobs,
+        group_ids=torch.tensor(group_ids, dtype=torch.long),
+        version=version,
+    )

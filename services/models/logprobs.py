@@ -1,0 +1,134 @@
+"""Per-token log-probs of responses under a causal LM, in the rollout layout.
+
+`cat(prompt_ids, response_ids)` has the prompt left-padded and the response right-padded, so every
+response starts at column P. Position ids count real tokens only (`cumsum(mask) - 1`, clamped at 0
+for the left padding), which makes a row's result independent of how much padding it got.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Literal, overload
+
+import torch
+from torch import nn
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of real tokens counted from 0 at each row's first real token; padding gets 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def accepts_kwarg(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def forward_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    keep_last: int = 0,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Logits `[B, T or keep_last, V]`; with `keep_last` > 0 only the last positions go through the
+    LM head when the model supports `logits_to_keep` (the prompt's logits are never materialised)."""
+    extra: dict[str, Any] = dict(kwargs)
+    if keep_last > 0 and accepts_kwarg(model, "logits_to_keep"):
+        extra["logits_to_keep"] = keep_last
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        **extra,
+    )
+    logits: torch.Tensor = out.logits
+    if keep_last > 0 and logits.shape[1] != keep_last:
+        logits = logits[:, -keep_last:]
+    return logits
+
+
+@overload
+def response_logprobs(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = ...,
+    with_entropy: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def response_logprobs(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = ...,
+    *,
+    with_entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def response_logprobs(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = ...,
+    with_entropy: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def response_logprobs(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`log softmax(logits / temperature)` at each response token, `[B, R]` float32, 0 at padding.
+
+    One forward over the whole sequence; the logits that predict response token t sit at column
+    P + t - 1. Differentiable (the trainer calls it under autograd). With `with_entropy`, also the
+    entropy of the same tempered distribution at each response position, `[B, R]`, 0 at padding.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if prompt_ids.shape != prompt_mask.shape or response_ids.shape != response_mask.shape:
+        raise ValueError(
+            f"ids/mask shapes disagree: prompt {tuple(prompt_ids.shape)} vs {tuple(prompt_mask.shape)},"
+            f" response {tuple(response_ids.shape)} vs {tuple(response_mask.shape)}"
+        )
+    b, p = prompt_ids.shape
+    r = response_ids.shape[1]
+    if p == 0:
+        raise ValueError("prompts must have at least one column (a response needs a context)")
+    rmask = response_mask.bool()
+    if r == 0:
+        empty = torch.zeros(b, 0, dtype=torch.float32, device=response_ids.device)
+        return (empty, empty.clone()) if with_entropy else empty
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask.bool(), rmask], dim=1)
+    # The last R+1 columns hold the predictions of the R response tokens (plus one past the end).
+    logits = forward_logits(model, input_ids, attention_mask, keep_last=r + 1)[:, :-1]
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, response_ids.long().unsqueeze(-1)).squeeze(-1)
+    logp = logp.masked_fill(~rmask, 0.0)
+    if not with_entropy:
+        return logp
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy.masked_fill(~rmask, 0.0)
