@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd == "train":
+        from services.core.entry import quiet_torch
+
+        quiet_torch()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         return int(args.fn(args))

@@ -5,7 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from services.core.entry import quiet_torch
 from services.core.redis_proc import RedisProcess, start_redis
+
+quiet_torch()
 
 
 @pytest.fixture
