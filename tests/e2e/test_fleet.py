@@ -59,7 +59,7 @@ def _total(sample: dict[str, float], prefix: str) -> float:
 
 def test_ppo_fleet_metrics_move_during_a_run(tmp_path: Path, tiny_model: Path, fleet_factory) -> None:
     """PPO starts a critic; /metrics of every service shows work happening while the run goes on."""
-    cfg = tiny_config(tmp_path / "ppo", tiny_model, run={"max_steps": 4},
+    cfg = tiny_config(tmp_path / "ppo", tiny_model, run={"max_steps": 6},
                       algo={"name": "ppo", "group_size": 2, "kl_coef": 0.05, "kl_in": "reward"},
                       batch={"prompts_per_step": 16, "prompts_per_message": 4})
     fleet = fleet_factory(cfg)
@@ -67,13 +67,18 @@ def test_ppo_fleet_metrics_move_during_a_run(tmp_path: Path, tiny_model: Path, f
     assert set(fleet.procs) == {"controller", "actor", "reward", "reference", "critic"}
     assert fleet.cfg is not None
     before = {n: _scrape("127.0.0.1", fleet.cfg.endpoint(n).http_port) for n in fleet.procs}
+    # Keep the last scrape of each service while the run goes on (the run may end between polls).
+    after = dict(before)
     deadline = time.monotonic() + 240
     while fleet.procs["controller"].alive and time.monotonic() < deadline:
-        st = fleet.status().get("controller", {}).get("detail", {})
-        if st.get("step", 0) >= 2:
+        for n in fleet.procs:
+            try:
+                after[n] = _scrape("127.0.0.1", fleet.cfg.endpoint(n).http_port)
+            except httpx.HTTPError:
+                pass
+        if after["controller"].get('rlfleet_policy_version{service="controller"}', 0) >= 2:
             break
-        time.sleep(0.3)
-    after = {n: _scrape("127.0.0.1", fleet.cfg.endpoint(n).http_port) for n in fleet.procs}
+        time.sleep(0.2)
     assert _total(after["actor"], 'rlfleet_tokens_total{phase="generate"') > _total(
         before["actor"], 'rlfleet_tokens_total{phase="generate"')
     for stage in ("reward", "reference", "critic"):
@@ -83,9 +88,9 @@ def test_ppo_fleet_metrics_move_during_a_run(tmp_path: Path, tiny_model: Path, f
     assert any(k.startswith("rlfleet_fill_ratio") for k in after["actor"])
     assert fleet.supervise(timeout_s=240) == 0
     rows = _rows(tmp_path / "ppo")
-    assert len(rows) == 4 and all("value_loss" in r for r in rows)
+    assert len(rows) == 6 and all("value_loss" in r for r in rows)
     events = [json.loads(x)["kind"] for x in (tmp_path / "ppo" / "events.jsonl").read_text().splitlines()]
-    assert events.count("trained") == 4
+    assert events.count("trained") == 6
 
 
 def test_grpo_without_kl_starts_no_critic_and_no_reference(tmp_path: Path, tiny_model: Path, fleet_factory) -> None:
