@@ -1108,15 +1108,24 @@ def audit(
         raise AuditError(f"run directory {run_dir} does not exist")
     lim, warnings = resolve_limits(run_dir, limits)
     owned = journal is None
+    jdir = _journal_dir(run_dir)
     if journal is None:
-        journal = _open_journal(run_dir / "journal", lim)
+        journal = _open_journal(jdir, lim)
     try:
         return _audit(run_dir, lim, journal, warnings, finished)
     except (JournalError, lmdb.Error) as err:
-        raise AuditError(f"cannot read the journal {run_dir / 'journal'}: {err}") from err
+        raise AuditError(f"cannot read the journal {jdir}: {err}") from err
     finally:
         if owned:
             journal.close()
+
+
+def _journal_dir(run_dir: Path) -> Path:
+    """RUN_DIR/journal unless the run's fleet.yaml moved it (journal.dir)."""
+    try:
+        return load_config(run_dir / "fleet.yaml").journal_dir
+    except (ConfigError, OSError):
+        return run_dir / "journal"
 
 
 def _open_journal(path: Path, lim: Limits) -> Journal:

@@ -137,6 +137,21 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_swap(args: argparse.Namespace) -> int:
+    from services.fleet import FleetError, swap
+
+    run_dir = Path(args.run_dir) if args.run_dir else load_config(args.config).run_dir
+    token = load_config(args.config).token() if args.config else None
+    try:
+        t = swap(run_dir, args.service, token=token, timeout_s=args.timeout)
+    except FleetError as err:
+        print(f"swap failed: {err}", file=sys.stderr)
+        return 1
+    print(f"{args.service}: pid {int(t['old_pid'])} drained in {t['drain_s']:.1f}s; "
+          f"pid {int(t['new_pid'])} ready {t['replacement_ready_s']:.1f}s later")
+    return 0
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
     from services.audit import audit_main
 
@@ -169,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--run-dir", default=None)
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=_cmd_status)
+
+    sw = sub.add_parser("swap", help="hot-swap one service of a running local fleet (drain, replace, ready)")
+    sw.add_argument("service", choices=["actor", "critic", "reward", "reference"])
+    sw.add_argument("--config", default=None, help="run config (for run.dir and the token)")
+    sw.add_argument("--run-dir", default=None)
+    sw.add_argument("--timeout", type=float, default=180.0)
+    sw.set_defaults(fn=_cmd_swap)
 
     a = sub.add_parser("audit", help="check a run against the five invariants of the task journal")
     a.add_argument("--run-dir", required=True)

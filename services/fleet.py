@@ -156,7 +156,14 @@ class Fleet:
             if not ctl.alive and ctl.proc.returncode == 0:
                 return 0
             for name, sp in list(self.procs.items()):
-                if sp.alive:
+                if sp.alive or (name == "controller" and sp.proc.returncode == 0):
+                    continue
+                if sp.proc.returncode == 0:
+                    # Drained on purpose (`rlfleet swap`, a rolling update): start the replacement.
+                    log.info("service drained; starting its replacement", extra={"service": name})
+                    new = self._spawn(sp.name)
+                    new.restarts = sp.restarts
+                    self.procs[name] = new
                     continue
                 if sp.restarts >= self.restart_budget:
                     raise FleetError(f"{name} died {sp.restarts + 1} times (restart budget {self.restart_budget});"
@@ -205,3 +212,55 @@ def read_service_files(run_dir: Path) -> dict[str, dict[str, Any]]:
         except (OSError, json.JSONDecodeError):
             continue
     return out
+
+
+def swap(run_dir: Path, service: str, token: str | None = None, timeout_s: float = 180.0) -> dict[str, float]:
+    """Hot-swap one service of a running local fleet: drain it (it finishes in-flight work,
+    checkpoints and exits 0), let the supervisor start its replacement, and wait until the new
+    process reports ready. Returns the timings."""
+    files = read_service_files(run_dir)
+    if service not in files:
+        raise FleetError(f"no running service {service!r} in {run_dir / 'services'} (found: {', '.join(files)})")
+    info = files[service]
+    old_pid = int(info["pid"])
+    base = f"http://{info['host']}:{info['http_port']}"
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    t0 = time.monotonic()
+    r = httpx.post(f"{base}/v1/drain", headers=headers, timeout=5.0)
+    if r.status_code >= 300:
+        raise FleetError(f"{service} refused to drain: HTTP {r.status_code} {r.text[:200]}")
+    deadline = t0 + timeout_s
+    while _pid_alive(old_pid):
+        if time.monotonic() > deadline:
+            raise FleetError(f"{service} (pid {old_pid}) did not exit within {timeout_s:.0f}s of drain")
+        time.sleep(0.1)
+    t_exit = time.monotonic()
+    while True:
+        new = read_service_files(run_dir).get(service, {})
+        if new.get("pid") not in (None, old_pid) and new.get("state") == "ready":
+            try:
+                if httpx.get(f"http://{new['host']}:{new['http_port']}/readyz", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            raise FleetError(f"no ready replacement for {service} within {timeout_s:.0f}s")
+        time.sleep(0.2)
+    t_ready = time.monotonic()
+    return {"drain_s": t_exit - t0, "replacement_ready_s": t_ready - t_exit, "total_s": t_ready - t0,
+            "old_pid": float(old_pid), "new_pid": float(new["pid"])}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return False

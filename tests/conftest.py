@@ -5,8 +5,15 @@ from pathlib import Path
 
 import pytest
 
+from typing import Any
+
+from services.core.config import load_config
 from services.core.entry import quiet_torch
 from services.core.redis_proc import RedisProcess, start_redis
+from services.fleet import Fleet
+from services.models.loading import resolve_model_path
+from services.tasks import load_task
+from tests.fleet_helpers import EXAMPLE
 
 quiet_torch()
 
@@ -19,3 +26,27 @@ def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
         yield rp
     finally:
         rp.stop(kill=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default's tiny model, built (with its warm-up) once per test session."""
+    cfg = load_config(EXAMPLE)
+    out = tmp_path_factory.mktemp("model") / "policy"
+    spec = cfg.models.policy.model_copy(update={"path": str(out)})
+    return resolve_model_path(spec, "policy", load_task(cfg.task), out.parent, cfg.run.seed)
+
+
+@pytest.fixture
+def fleet_factory() -> Iterator[Any]:
+    """Fleets started by a test are always stopped, whatever the test did."""
+    started: list[Fleet] = []
+
+    def make(cfg: Any, **kw: Any) -> Fleet:
+        f = Fleet(cfg, **kw)
+        started.append(f)
+        return f
+
+    yield make
+    for f in started:
+        f.stop(grace_s=10)

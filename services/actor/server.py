@@ -9,6 +9,7 @@ under the engine lock, so no rollout ever mixes two versions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -18,11 +19,13 @@ from typing import Any
 
 import grpc
 
-from services.core.bus import Bus, Message, bus_options
+from services.actor.outbox import Outbox
+from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.runtime import ServiceRuntime
+from services.core.trainable import Trainable
 from services.core.wire import (
     WireError,
     check_schema_version,
@@ -50,7 +53,10 @@ class Actor:
         self.engine = make_engine(cfg.generation.engine, path, dtype=cfg.models.policy.dtype,
                                   micro_batch=cfg.generation.micro_batch)
         self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed)
-        self.version = 0
+        self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt)
+        if self.t.restore():
+            self.engine.update_weights(self.policy.state_dict().items(), self.t.version)
+        self.outbox = Outbox.open(cfg.run_dir / "outbox" / "actor")
         self.instance = f"actor-{os.getpid()}"
         self.runtime = ServiceRuntime.from_config(
             cfg, "actor", readiness=self.readiness, status=self.status, on_drain=self.on_drain)
@@ -58,28 +64,39 @@ class Actor:
         self.bus: Bus | None = None
         self.worker: StreamWorker | None = None
         self.engine_lock = asyncio.Lock()  # generation vs weight sync
-        self.train_lock = asyncio.Lock()  # one Train at a time
         self.held = False  # backpressure state
         self.fill = 0.0
 
     # -- runtime callbacks ---------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.t.version
+
     async def readiness(self) -> list[str]:
         if self.worker is None:
             return ["connecting to redis"]
-        return [] if self.worker.redis_ok else ["redis unreachable"]
+        reasons = [] if self.worker.redis_ok else ["redis unreachable"]
+        behind = self.t.readiness_reason()
+        return reasons + ([behind] if behind else [])
 
     async def status(self) -> dict[str, Any]:
         w = self.worker
-        return {"version": self.version, "backpressure": self.held, "fill_ratio": round(self.fill, 3),
-                "handled": w.handled if w else 0}
+        return {"version": self.version, "checkpoint_version": self.t.checkpoint_version,
+                "backpressure": self.held, "fill_ratio": round(self.fill, 3), "handled": w.handled if w else 0,
+                "outbox": self.outbox.pending()}
 
     async def on_drain(self) -> None:
+        # Stop taking prompts and finish the batch in hand, let a running Train finish, then
+        # checkpoint so the replacement starts at this version.
         if self.worker is not None:
             await self.worker.drain()
-        async with self.train_lock:  # let a running Train finish before exiting
-            pass
+        async with self.t.lock:
+            await asyncio.to_thread(self.t.save)
         if self.bus is not None:
+            with contextlib.suppress(BusUnavailable):
+                await self.outbox.flush(self._publish_raw)
             await self.bus.close()
+        self.outbox.close()
 
     # -- backpressure --------------------------------------------------------------------------------
     async def gate(self) -> None:
@@ -121,6 +138,10 @@ class Actor:
                 raise Rejected("bad_token_ids", f"prompt {p.task_id!r}: token ids empty or outside the "
                                                 f"vocabulary [0, {self.vocab_size})")
         params = self._params(batch.sampling)
+        # Never generate under an older policy than the one the prompts were admitted at: a
+        # restarted actor waits here while the controller replays the steps it missed.
+        while self.version < batch.version:
+            await asyncio.sleep(0.05)
         t0 = time.perf_counter()
         with self.metrics.time_stage("generate"):
             async with self.engine_lock:
@@ -133,8 +154,14 @@ class Actor:
         rollout_id = f"{batch.batch_id}:{uuid.uuid4().hex[:8]}"
         out = rollout_to_proto(rollout, rollout_id, sampling=batch.sampling,
                                finish_reasons=[c.finish_reason for c in comps], generate_seconds=gen_s)
-        await self.bus.publish(self.bus.keys.rollouts, out.SerializeToString(), kind="rollout",
-                               batch_id=rollout_id)
+        data = out.SerializeToString()
+        headers = {"kind": "rollout", "batch_id": rollout_id}
+        try:
+            await self.bus.publish(self.bus.keys.rollouts, data, **headers)
+        except BusUnavailable:
+            # Generated work is kept, not redone: the outbox publishes it when Redis returns.
+            await asyncio.to_thread(self.outbox.put, rollout_id, self.bus.keys.rollouts, data, headers)
+            log.warning("redis unavailable; rollout kept in the outbox", extra={"batch_id": rollout_id})
         tokens = int(rollout.response_mask.sum())
         self.metrics.tokens.labels(phase="generate").inc(tokens)
         self.metrics.samples.labels(phase="generate").inc(len(rollout))
@@ -145,7 +172,7 @@ class Actor:
             req = train_batch_from_proto(request, self.cfg.flow.max_message_bytes, require=("advantages",))
         except WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
-        async with self.train_lock:
+        async with self.t.lock:
             if self.version >= req.target_version:
                 return message(pb.TrainResult, step=req.step, version=self.version, replayed=True)
             if req.target_version != self.version + 1:
@@ -159,7 +186,9 @@ class Actor:
                 async with self.engine_lock:
                     await asyncio.to_thread(self.engine.update_weights, self.policy.state_dict().items(),
                                             req.target_version)
-                    self.version = req.target_version
+                    self.t.version, self.t.step = req.target_version, req.step
+            if self.t.due():
+                await asyncio.to_thread(self.t.save)
             m = self.metrics
             m.policy_version.set(self.version)
             m.loss.labels(kind="policy").set(stats.get("policy_loss", 0.0))
@@ -177,7 +206,29 @@ class Actor:
         self.worker = StreamWorker(self.bus, self.bus.keys.prompts, "actor", self.instance, self.handle,
                                    self.metrics, gate=self.gate)
         await self.runtime.refresh_readiness()
-        await self.worker.run()
+        background = asyncio.create_task(self.housekeeping())
+        try:
+            await self.worker.run()
+        finally:
+            background.cancel()
+
+    async def _publish_raw(self, stream: str, data: bytes, headers: dict[str, str]) -> str:
+        assert self.bus is not None
+        return await self.bus.publish(stream, data, **headers)
+
+    async def housekeeping(self) -> None:
+        """Flush the outbox and follow the fleet's acknowledged version, once a second."""
+        assert self.bus is not None
+        while True:
+            try:
+                if self.outbox.pending():
+                    sent = await self.outbox.flush(self._publish_raw)
+                    if sent:
+                        log.info("outbox flushed", extra={"sent": sent, "left": self.outbox.pending()})
+                self.t.target_version = (await self.bus.get_versions()).get("actor", 0)
+            except BusUnavailable:
+                pass
+            await asyncio.sleep(1.0)
 
 
 class _ActorServicer(pb_grpc.ActorServicer):
@@ -197,7 +248,7 @@ class _ActorServicer(pb_grpc.ActorServicer):
     async def GetState(self, request: pb.GetStateRequest, context: Any) -> pb.ServiceState:  # noqa: N802
         check_schema_version(request)
         return message(pb.ServiceState, service="actor", instance_id=self.a.instance, state=self.a.runtime.state,
-                       version=self.a.version)
+                       version=self.a.version, gauges={"checkpoint_version": float(self.a.t.checkpoint_version)})
 
     async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:  # noqa: N802
         check_schema_version(request)

@@ -65,11 +65,20 @@ class StepAssembler:
         e = self._by_batch.get(prompt_batch_id)
         return e.rollout_id if e else None
 
+    def rollout_of(self, prompt_batch_id: str) -> Rollout:
+        return self._by_batch[prompt_batch_id].rollout
+
     def complete(self) -> list[str]:
         return sorted(
             (pb for pb, e in self._by_batch.items() if all(s in e.scores for s in self.stages)),
             key=lambda pb: self._by_batch[pb].order,
         )
+
+    def drop(self, prompt_batch_id: str) -> None:
+        """Forget a batch (its tasks went dead, or a resumed step already holds it)."""
+        e = self._by_batch.pop(prompt_batch_id, None)
+        if e is not None:
+            self._early.pop(e.rollout_id, None)
 
     def pending(self) -> int:
         return len(self._by_batch)

@@ -8,6 +8,7 @@ whatever is not terminal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
 from services.core.events import EventLog
 from services.core.ids import batch_id as make_batch_id
-from services.core.ids import generation_seed, task_id
+from services.core.ids import generation_seed, parse_task_id, task_id
 from services.core.journal import Journal, JournalFull, TaskSpec
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
@@ -44,7 +45,6 @@ from services.tasks import load_task
 log = logging.getLogger("rlfleet.controller")
 
 ROLLOUT = "rollout"  # journal result stage under which the winning rollout of a prompt batch is kept
-MIN_FREE_DISK = 64 * 1024 * 1024
 
 
 class Controller:
@@ -56,7 +56,10 @@ class Controller:
         self.stages = cfg.stages()
         self.trainable = ["actor", "critic"] if cfg.algo.needs_critic else ["actor"]
         run_dir = cfg.run_dir
-        self.journal = Journal.open(run_dir / "journal", stages=tuple(self.stages), trainable=tuple(self.trainable))
+        j = cfg.journal
+        self.journal = Journal.open(cfg.journal_dir, map_size=j.map_size_bytes, max_map_size=j.max_map_size_bytes,
+                                    stages=tuple(self.stages), trainable=tuple(self.trainable))
+        self.journal_error: str | None = None
         self.events = EventLog(run_dir / "events.jsonl")
         self.metrics_path = run_dir / "metrics.jsonl"
         self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step)
@@ -65,13 +68,20 @@ class Controller:
         self.metrics = self.runtime.metrics
         self.bus: Bus | None = None
         self.workers: list[StreamWorker] = []
-        self.version = self.journal.versions.get("actor", 0)
+        # Every step adds exactly one policy version, so the step counter is the version: one
+        # source of truth, whatever a crash interrupted.
+        self.version = self.journal.step
         self.last: dict[str, Any] = {}
         self.admission_open = True
         self.done = False
         self.instance = f"controller-{os.getpid()}"
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.t_last_step = time.perf_counter()
+        self.replay_locks = {name: asyncio.Lock() for name in self.trainable}
+        self.served: dict[str, int] = {}  # last version each trainable service reported serving
+        # Prompt batch id -> monotonic time of its last progress (admit, rollout, score): the
+        # watchdog re-publishes batches that stall, whatever lost their messages.
+        self.progress: dict[str, float] = {}
 
     # -- runtime callbacks ---------------------------------------------------------------------------
     async def readiness(self) -> list[str]:
@@ -80,9 +90,27 @@ class Controller:
             reasons.append("connecting to redis")
         elif any(not w.redis_ok for w in self.workers):
             reasons.append("redis unreachable")
-        if not self.journal.has_space(MIN_FREE_DISK):
+        if not self.journal.has_space(self.cfg.journal.min_free_bytes):
             reasons.append(f"journal disk nearly full ({self.journal.disk_free_bytes()} bytes free)")
+        if self.journal_error:
+            reasons.append(f"journal: {self.journal_error}")
         return reasons
+
+    async def durable(self, fn: Any, *args: Any) -> Any:
+        """A journal write that must happen: retried while the disk is full (the controller is not
+        ready meanwhile), never skipped and never half-done (each write is one transaction)."""
+        delay = 0.5
+        while True:
+            try:
+                out = await asyncio.to_thread(fn, *args)
+                self.journal_error = None
+                return out
+            except JournalFull as e:
+                if self.journal_error is None:
+                    log.error("journal full; waiting for space", extra={"error": str(e)[:300]})
+                self.journal_error = str(e)[:300]
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def status(self) -> dict[str, Any]:
         return {
@@ -132,25 +160,30 @@ class Controller:
         c = self.cfg
         per_msg = c.batch.prompts_per_message * c.algo.group_size
         budget = (c.flow.max_staleness + 1) * c.samples_per_step
-        last_index = c.run.max_steps * c.batch.prompts_per_step
+        needed = c.run.max_steps * c.samples_per_step
         while not self.done:
-            can = self.journal.has_space(MIN_FREE_DISK)
+            can = self.journal.has_space(c.journal.min_free_bytes) and self.journal_error is None
             in_flight = self.journal.in_flight()
             self.metrics.in_flight.set(in_flight)
             first = self.journal.cursor
             self.admission_open = can and in_flight + per_msg <= budget
             self.metrics.admission_open.set(int(self.admission_open))
-            if not self.admission_open or first >= last_index:
+            # Dead tasks never train, so the run admits replacements for them.
+            usable = first * c.algo.group_size - self.journal.counts().get("dead", 0)
+            if not self.admission_open or usable >= needed:
                 await asyncio.sleep(0.05)
                 continue
             tasks = self._message_tasks(first)
             try:
                 await asyncio.to_thread(self.journal.admit, tasks, first + c.batch.prompts_per_message)
+                self.journal_error = None
             except JournalFull as e:
-                log.error("journal full; admission stopped until space returns", extra={"error": str(e)})
+                log.error("journal full; admission stopped until space returns", extra={"error": str(e)[:300]})
+                self.journal_error = str(e)[:300]
                 await asyncio.sleep(1.0)
                 continue
             self.events.emit("admitted", task_ids=[t.task_id for t in tasks], cursor=first)
+            self.progress[make_batch_id(first)] = time.monotonic()
             await self._retry_bus(lambda f=first: self._publish_prompts(f))
 
     async def _retry_bus(self, op: Any) -> None:
@@ -176,12 +209,11 @@ class Controller:
             raise Rejected("unknown_tasks", f"rollout {rid!r} carries task ids that prompt batch {pbid!r} "
                                             "did not admit")
         # First rollout of a prompt batch wins; a regenerated duplicate is dropped.
-        if not await asyncio.to_thread(self.journal.put_result_if_absent, pbid, ROLLOUT, msg.data):
+        if not await self.durable(self.journal.put_result_if_absent, pbid, ROLLOUT, msg.data):
             return
-        await asyncio.to_thread(self.journal.mark_generated, rollout.task_ids, rollout.version, rid)
-        self.events.emit("generated", task_ids=rollout.task_ids, version=rollout.version)
         self.assembler.add_rollout(rid, rollout, order=self._first_of(pbid))
-        await self._after_score(rid)
+        self.progress[pbid] = time.monotonic()
+        await self._sync_states(pbid)
 
     async def on_score(self, msg: Message) -> None:
         sb = parse_message(pb.ScoreBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
@@ -189,19 +221,31 @@ class Controller:
             raise Rejected("unknown_stage", f"score from stage {sb.stage!r}; this run uses {self.stages}")
         scores = score_from_proto(sb, max_bytes=self.cfg.flow.max_message_bytes, expected_stage=sb.stage,
                                   expected_rows=self.cfg.batch.prompts_per_message * self.cfg.algo.group_size)
-        if not await asyncio.to_thread(self.journal.put_result_if_absent, sb.batch_id, sb.stage, msg.data):
+        if not await self.durable(self.journal.put_result_if_absent, sb.batch_id, sb.stage, msg.data):
             return  # a redelivered score: already counted once
-        self.assembler.add_score(sb.batch_id, sb.stage, scores.tensor)
-        await self._after_score(sb.batch_id)
+        if self.assembler.add_score(sb.batch_id, sb.stage, scores.tensor):
+            pbid = prompt_batch_of(sb.batch_id)
+            self.progress[pbid] = time.monotonic()
+            if self.assembler.rollout_id_of(pbid) == sb.batch_id:
+                await self._sync_states(pbid)
 
-    async def _after_score(self, rollout_id: str) -> None:
-        pbid = prompt_batch_of(rollout_id)
-        if self.assembler.rollout_id_of(pbid) != rollout_id:
+    async def _sync_states(self, pbid: str) -> None:
+        """Bring the journal's task states up to what the join knows (generated once the rollout
+        is in, scored once every stage is): idempotent, so it also repairs a crash between a
+        result write and its state change."""
+        rid = self.assembler.rollout_id_of(pbid)
+        if rid is None:
             return
-        if pbid in self.assembler.complete():
-            ids = [t.task_id for t in self._message_tasks(self._first_of(pbid))]
+        ids = [t.task_id for t in self._message_tasks(self._first_of(pbid))]
+        recs = [await asyncio.to_thread(self.journal.get, i) for i in ids]
+        states = {r.state for r in recs if r is not None}
+        rollout = self.assembler.rollout_of(pbid)
+        if "admitted" in states:
+            await self.durable(self.journal.mark_generated, ids, rollout.version, rid)
+            self.events.emit("generated", task_ids=ids, version=rollout.version)
+        if pbid in self.assembler.complete() and states & {"admitted", "generated"}:
             for stage in self.stages:
-                await asyncio.to_thread(self.journal.mark_stage_done, ids, stage)
+                await self.durable(self.journal.mark_stage_done, ids, stage)
             self.events.emit("scored", task_ids=ids)
 
     @staticmethod
@@ -218,19 +262,147 @@ class Controller:
         ch = self.channels[name]
         return pb_grpc.ActorStub(ch) if name == "actor" else pb_grpc.CriticStub(ch)
 
+    async def _call_train(self, name: str, batch: pb.TrainBatch) -> pb.TrainResult:
+        """Train is idempotent (keyed by target version), so it is retried while the service is away
+        (restarting, being swapped) for up to flow.rpc_timeout_s; a service that restarted behind
+        the fleet answers FAILED_PRECONDITION and is replayed first."""
+        deadline = time.monotonic() + self.cfg.flow.rpc_timeout_s
+        delay = 0.2
+        while True:
+            try:
+                return await rpc(self._stub(name).Train, batch, timeout_s=self.cfg.flow.rpc_timeout_s,
+                                 idempotent=True, retries=0, token=self.cfg.token())
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    await self.replay(name)
+                    continue
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        or time.monotonic() > deadline:
+                    raise
+                log.warning("train call failed; retrying", extra={"service": name, "code": e.code().name})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
     async def _train(self, name: str, batch: pb.TrainBatch) -> pb.TrainResult:
-        return await rpc(self._stub(name).Train, batch, timeout_s=self.cfg.flow.rpc_timeout_s, idempotent=True,
-                         retries=5, token=self.cfg.token())
+        async with self.replay_locks[name]:
+            pass  # never interleave a new step with a replay in progress
+        return await self._call_train(name, batch)
+
+    async def _state(self, name: str) -> pb.ServiceState:
+        return await rpc(self._stub(name).GetState, message(pb.GetStateRequest), timeout_s=5.0,
+                         idempotent=True, retries=1, token=self.cfg.token())
+
+    async def replay(self, name: str) -> int:
+        """Bring a service that restarted from an older checkpoint back to the journal's version by
+        re-sending the training batches after its version, oldest first. Returns steps replayed."""
+        async with self.replay_locks[name]:
+            state = await self._state(name)
+            have = int(state.version)
+            batches = await asyncio.to_thread(self.journal.batches_after, have)
+            n = 0
+            for step, raw in batches:
+                if step > self.version:
+                    break
+                batch = parse_message(pb.TrainBatch, raw, max_bytes=self.cfg.flow.max_message_bytes)
+                await self._call_train(name, batch)
+                n += 1
+            if n:
+                log.info("replayed training batches", extra={"service": name, "from_version": have, "steps": n})
+            return n
+
+    async def sync_loop(self) -> None:
+        """Watch the trainable services: record the versions they serve and the checkpoints they
+        acknowledge (pruning replay batches no one needs), and replay one that fell behind."""
+        while not self.done:
+            for name in self.trainable:
+                try:
+                    state = await self._state(name)
+                except grpc.aio.AioRpcError:
+                    continue  # away (restarting); Train retries cover it
+                v = int(state.version)
+                if self.served.get(name) != v:
+                    self.served[name] = v
+                    self.events.emit("version_served", service=name, version=v)
+                ckpt = int(state.gauges.get("checkpoint_version", 0))
+                if ckpt > self.journal.checkpoint_steps.get(name, 0):
+                    await asyncio.to_thread(self.journal.prune_batches, name, ckpt)
+                    self.events.emit("checkpoint", service=name, version=ckpt, step=ckpt)
+                if v < self.version and not self.replay_locks[name].locked():
+                    await self.replay(name)
+            await asyncio.sleep(1.0)
+
+    async def watchdog(self) -> None:
+        """Re-publish prompt batches that made no progress for flow.resend_after_s: their prompts
+        when no rollout arrived, else the winning rollout for the stages still missing."""
+        assert self.bus is not None
+        limit = self.cfg.flow.resend_after_s
+        while not self.done:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = time.monotonic()
+            for pbid, t in list(self.progress.items()):
+                if now - t < limit:
+                    continue
+                self.progress[pbid] = now
+                raw = await asyncio.to_thread(self.journal.get_result, pbid, ROLLOUT)
+                log.warning("batch stalled; publishing again", extra={"batch_id": pbid, "has_rollout": raw is not None})
+                if raw is None:
+                    await self._retry_bus(lambda f=self._first_of(pbid): self._publish_prompts(f))
+                else:
+                    rid = self.assembler.rollout_id_of(pbid) or pbid
+                    await self._retry_bus(lambda r=raw, i=rid: self.bus.publish(  # type: ignore[union-attr]
+                        self.bus.keys.rollouts, r, kind="rollout", batch_id=i))
+
+    async def on_dead(self, msg: Message) -> None:
+        """A message some stage gave up on: its tasks end `dead` with the reason (never lost), and
+        admission replaces them. Dead letters that name no batch of ours are only counted."""
+        reason = msg.headers.get("reason") or "dead-lettered"
+        bid = msg.headers.get("h.batch_id", "")
+        self.metrics.dead_letters.labels(reason=reason.split(":", 1)[0][:40]).inc()
+        if not bid:
+            return
+        pbid = prompt_batch_of(bid)
+        try:
+            first = self._first_of(pbid)
+        except Rejected:
+            return
+        ids = [t.task_id for t in self._message_tasks(first)]
+        recs = [await asyncio.to_thread(self.journal.get, i) for i in ids]
+        live = [r.task_id for r in recs if r is not None and not r.is_terminal]
+        if not live:
+            return
+        # A stage that rejected a rollout for good (NaN reward, wrong shape...) would reject it again.
+        await asyncio.to_thread(self.journal.mark_dead, live, reason[:500])
+        for tid in live:
+            self.events.emit("dead", task_id=tid, reason=reason[:500])
+        self.assembler.drop(pbid)
+        self.progress.pop(pbid, None)
+        log.warning("tasks dead", extra={"batch_id": pbid, "tasks": len(live), "reason": reason[:200]})
 
     async def step_loop(self) -> None:
         c = self.cfg
+        stored = await asyncio.to_thread(self.journal.get_batch, self.journal.step + 1)
+        if stored is not None and self.journal.step < c.run.max_steps:
+            # Crashed mid-step last time: finish exactly that step, not a re-assembled one.
+            await self.resume_step(stored)
         while self.journal.step < c.run.max_steps:
             parts = self.assembler.take_step()
             if parts is None:
                 await asyncio.sleep(0.02)
                 continue
+            for rid, _ in parts:
+                self.progress.pop(prompt_batch_of(rid), None)
             await self.train_step([r for _, r in parts])
         self.done = True
+
+    async def resume_step(self, raw: bytes) -> None:
+        batch = parse_message(pb.TrainBatch, raw, max_bytes=self.cfg.flow.max_message_bytes)
+        r = validate_rollout_batch(batch.rollout, self.cfg.flow.max_message_bytes)
+        for first in sorted({parse_task_id(t)[0] - parse_task_id(t)[0] % self.cfg.batch.prompts_per_message
+                             for t in r.task_ids}):
+            self.assembler.drop(make_batch_id(first))
+            self.progress.pop(make_batch_id(first), None)
+        log.info("resuming a journaled step", extra={"step": int(batch.step) + 1})
+        await self._commit_step(batch, r, stats={"resumed": 1.0}, t0=time.perf_counter())
 
     async def train_step(self, parts: list[rb.Rollout]) -> None:
         c = self.cfg
@@ -238,10 +410,15 @@ class Controller:
         t0 = time.perf_counter()
         r = rb.concat(parts, pad_id=self.tokenizer.pad_token_id)
         stats = compute_advantages(r, c.algo)
-        target = self.version + 1
-        batch = train_batch_to_proto(r, step=step, batch_id=f"s{step}", target_version=target)
-        data = batch.SerializeToString()
-        await asyncio.to_thread(self.journal.put_batch, step + 1, data)
+        batch = train_batch_to_proto(r, step=step, batch_id=f"s{step}", target_version=self.version + 1)
+        # Journaled before any Train call: a crash from here on resumes exactly this step.
+        await self.durable(self.journal.put_batch, step + 1, batch.SerializeToString())
+        await self._commit_step(batch, r, stats, t0)
+
+    async def _commit_step(self, batch: pb.TrainBatch, r: rb.Rollout, stats: dict[str, float], t0: float) -> None:
+        c = self.cfg
+        step = int(batch.step)
+        target = int(batch.target_version)
         t_adv = time.perf_counter()
         calls = [self._train("actor", batch)]
         if c.algo.needs_critic:
@@ -249,13 +426,14 @@ class Controller:
         results = await asyncio.gather(*calls)
         t_train = time.perf_counter()
         gen_versions = r.versions.tolist() if r.versions is not None else [r.version] * len(r)
-        await asyncio.to_thread(self.journal.mark_trained, r.task_ids, step + 1, self.version,
-                                c.flow.max_staleness)
+        await self.durable(self.journal.mark_trained, r.task_ids, step + 1, target - 1, c.flow.max_staleness)
         for name in self.trainable:
-            await asyncio.to_thread(self.journal.set_version, name, target)
-        self.events.emit("trained", step=step + 1, task_ids=r.task_ids, version=self.version,
+            await self.durable(self.journal.set_version, name, target)
+        with contextlib.suppress(BusUnavailable):
+            await self.bus.set_versions({n: target for n in self.trainable})  # type: ignore[union-attr]
+        self.events.emit("trained", step=step + 1, task_ids=r.task_ids, version=target - 1,
                          generated_versions=gen_versions)
-        staleness = self.version - min(gen_versions)
+        staleness = target - 1 - min(gen_versions)
         self.version = target
         for res in results:
             stats.update({k: float(v) for k, v in res.stats.items()})
@@ -264,6 +442,8 @@ class Controller:
         elapsed = now - self.t_last_step
         self.t_last_step = now
         depths = await self._depths()
+        if "reward_mean" not in stats and r.rewards is not None:
+            stats["reward_mean"] = float(r.rewards.float().mean())
         row = {
             "step": step + 1, "version": self.version, **stats, "tokens": tokens, "samples": len(r),
             "tokens_per_s": tokens / elapsed, "samples_per_s": len(r) / elapsed,
@@ -278,7 +458,8 @@ class Controller:
         m = self.metrics
         m.policy_version.set(self.version)
         m.staleness.set(staleness)
-        m.reward_mean.set(stats["reward_mean"])
+        if "reward_mean" in stats:
+            m.reward_mean.set(stats["reward_mean"])
         if "kl" in stats:
             m.kl.set(stats["kl"])
         m.loss.labels(kind="policy").set(stats.get("policy_loss", 0.0))
@@ -314,8 +495,10 @@ class Controller:
             pbid = make_batch_id(first)
             raw = await asyncio.to_thread(self.journal.get_result, pbid, ROLLOUT)
             if raw is None:
+                self.progress[pbid] = time.monotonic()
                 await self._retry_bus(lambda f=first: self._publish_prompts(f))
                 continue
+            self.progress[pbid] = time.monotonic()
             rbm = parse_message(pb.RolloutBatch, raw, max_bytes=self.cfg.flow.max_message_bytes)
             rollout = validate_rollout_batch(rbm, self.cfg.flow.max_message_bytes)
             self.assembler.add_rollout(rbm.batch_id, rollout, order=first)
@@ -325,6 +508,7 @@ class Controller:
                     sb = parse_message(pb.ScoreBatch, s_raw, max_bytes=self.cfg.flow.max_message_bytes)
                     self.assembler.add_score(rbm.batch_id, stage,
                                              score_from_proto(sb, max_bytes=self.cfg.flow.max_message_bytes).tensor)
+            await self._sync_states(pbid)
         if batches:
             log.info("reconciled journal", extra={"non_terminal_tasks": len(pending), "batches": len(batches)})
 
@@ -336,16 +520,21 @@ class Controller:
         await self.bus.ensure_groups(keys.prompts, ["actor"])
         await self.bus.ensure_groups(keys.rollouts, [*self.stages, "controller"])
         await self.bus.ensure_groups(keys.scores, ["controller"])
+        await self.bus.ensure_groups(keys.dead, ["controller"])
+        await self.bus.set_versions({n: self.version for n in self.trainable})
         await self.reconcile()
         self.workers = [
             StreamWorker(self.bus, keys.rollouts, "controller", self.instance, self.on_rollout, self.metrics,
                          count=8),
             StreamWorker(self.bus, keys.scores, "controller", self.instance, self.on_score, self.metrics,
                          count=16),
+            StreamWorker(self.bus, keys.dead, "controller", self.instance, self.on_dead, self.metrics, count=16),
         ]
         await self.runtime.refresh_readiness()
         tasks = [asyncio.create_task(w.run()) for w in self.workers]
         tasks.append(asyncio.create_task(self.admit_loop()))
+        tasks.append(asyncio.create_task(self.sync_loop()))
+        tasks.append(asyncio.create_task(self.watchdog()))
         step = asyncio.create_task(self.step_loop())
         done, _ = await asyncio.wait([step, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for t in done:

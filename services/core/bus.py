@@ -574,6 +574,18 @@ class Bus:
         value = await self._run("get_result", self._client.get(self.keys.result(stage, batch_id)))
         return None if value is None else value if isinstance(value, bytes) else value.encode()
 
+    # -- acknowledged versions --------------------------------------------------------------------
+    async def set_versions(self, versions: Mapping[str, int]) -> None:
+        """Publish the versions the controller has acknowledged per trainable service, so a
+        replacement can tell when it has caught up (it reports ready only at the current version)."""
+        if versions:
+            await self._run("set_versions", self._client.hset(
+                f"{self.keys.prefix}:versions", mapping={k: int(v) for k, v in versions.items()}))
+
+    async def get_versions(self) -> dict[str, int]:
+        raw = await self._run("get_versions", self._client.hgetall(f"{self.keys.prefix}:versions"))
+        return {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
+
     # -- housekeeping -----------------------------------------------------------------------------
     async def trim_acked(self, stream: str) -> int:
         """Drop entries every group has acknowledged; returns how many were removed.

@@ -198,6 +198,10 @@ class FlowSection(_Strict):
     max_deliveries: Annotated[int, Field(ge=1)] = 3
     max_message_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     rpc_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    # A prompt batch with no progress for this long is published again (its prompts, or its rollout
+    # for the stages still missing): covers messages lost with a Redis that restarted empty or lost
+    # its last second of AOF. Duplicates are harmless: results are put-if-absent.
+    resend_after_s: Annotated[float, Field(gt=0)] = 60.0
 
     @model_validator(mode="after")
     def _watermarks(self) -> FlowSection:
@@ -206,6 +210,24 @@ class FlowSection(_Strict):
                 f"low_watermark ({self.low_watermark}) must be below high_watermark ({self.high_watermark})"
             )
         return self
+
+
+class CheckpointSection(_Strict):
+    # None: RUN_DIR/checkpoints.
+    dir: str | None = None
+    # Trainable services checkpoint every N of their own versions, and always when drained.
+    every: Annotated[int, Field(ge=1)] = 10
+    keep: Annotated[int, Field(ge=1)] = 2
+
+
+class JournalSection(_Strict):
+    # None: RUN_DIR/journal.
+    dir: str | None = None
+    map_size_bytes: Annotated[int, Field(ge=64 * 1024)] = 64 * 1024 * 1024
+    max_map_size_bytes: Annotated[int, Field(ge=64 * 1024)] = 64 * 1024**3
+    # Below this much free disk the controller stops admitting and reports not ready, before
+    # LMDB itself would hit ENOSPC.
+    min_free_bytes: Annotated[int, Field(ge=0)] = 64 * 1024 * 1024
 
 
 class SecuritySection(_Strict):
@@ -224,6 +246,8 @@ class RunConfig(_Strict):
     services: dict[ServiceName, Endpoint] = Field(default_factory=_default_services)
     redis: RedisSection = Field(default_factory=RedisSection)
     flow: FlowSection = Field(default_factory=FlowSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    journal: JournalSection = Field(default_factory=JournalSection)
     security: SecuritySection = Field(default_factory=SecuritySection)
 
     @model_validator(mode="after")
@@ -266,6 +290,14 @@ class RunConfig(_Strict):
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir)
+
+    @property
+    def journal_dir(self) -> Path:
+        return Path(self.journal.dir) if self.journal.dir else self.run_dir / "journal"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
 
     def token(self) -> str | None:
         env = self.security.token_env

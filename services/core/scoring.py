@@ -13,11 +13,12 @@ from typing import Any
 import grpc
 import torch
 
-from services.core.bus import Bus, Message, bus_options
+from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig, ServiceName
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.runtime import ServiceRuntime
+from services.core.trainable import Trainable
 from services.core.wire import check_schema_version, message, parse_message, score_to_proto, validate_rollout_batch
 from services.core.worker import StreamWorker
 from services.rl.batch import Rollout
@@ -29,8 +30,9 @@ ScoreFn = Callable[[Rollout], torch.Tensor]
 
 class ScoringService:
     def __init__(self, cfg: RunConfig, stage: ServiceName, score: ScoreFn,
-                 version: Callable[[], int] = lambda: 0) -> None:
+                 version: Callable[[], int] = lambda: 0, trainable: Trainable | None = None) -> None:
         self.cfg = cfg
+        self.trainable = trainable
         self.stage = stage
         self.score_fn = score
         self.version = version
@@ -48,7 +50,9 @@ class ScoringService:
     async def readiness(self) -> list[str]:
         if self.worker is None:
             return ["connecting to redis"]
-        return [] if self.worker.redis_ok else ["redis unreachable"]
+        reasons = [] if self.worker.redis_ok else ["redis unreachable"]
+        behind = self.trainable.readiness_reason() if self.trainable else None
+        return reasons + ([behind] if behind else [])
 
     async def status(self) -> dict[str, Any]:
         w = self.worker
@@ -58,6 +62,9 @@ class ScoringService:
     async def on_drain(self) -> None:
         if self.worker is not None:
             await self.worker.drain()
+        if self.trainable is not None:
+            async with self.trainable.lock:
+                await asyncio.to_thread(self.trainable.save)
         if self.bus is not None:
             await self.bus.close()
 
@@ -86,12 +93,27 @@ class ScoringService:
         self.worker = StreamWorker(self.bus, self.bus.keys.rollouts, self.stage, self.instance, self.handle,
                                    self.metrics)
         await self.runtime.refresh_readiness()
-        await self.worker.run()
+        follow = asyncio.create_task(self._follow_versions()) if self.trainable else None
+        try:
+            await self.worker.run()
+        finally:
+            if follow is not None:
+                follow.cancel()
+
+    async def _follow_versions(self) -> None:
+        assert self.bus is not None and self.trainable is not None
+        while True:
+            try:
+                self.trainable.target_version = (await self.bus.get_versions()).get(self.stage, 0)
+            except BusUnavailable:
+                pass
+            await asyncio.sleep(1.0)
 
     # -- gRPC ----------------------------------------------------------------------------------------
     def state_message(self) -> pb.ServiceState:
+        gauges = {"checkpoint_version": float(self.trainable.checkpoint_version)} if self.trainable else {}
         return message(pb.ServiceState, service=self.stage, instance_id=self.instance, state=self.runtime.state,
-                       version=self.version())
+                       version=self.version(), gauges=gauges)
 
     def drain_rpc(self, request: pb.DrainRequest) -> pb.DrainResponse:
         check_schema_version(request)

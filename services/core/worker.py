@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from services.core.bus import Bus, BusUnavailable, Message
 from services.core.codec import WireError
+from services.core.journal import JournalFull
 from services.core.metrics import ServiceMetrics
 
 log = logging.getLogger("rlfleet.worker")
@@ -24,6 +25,11 @@ class Rejected(ValueError):
 
 
 Handler = Callable[[Message], Awaitable[None]]
+
+# Failures that say "not now" rather than "never": the handler is retried in place until the
+# dependency is back (counting them as failed deliveries would dead-letter good work during an
+# outage). If the worker is stopped meanwhile, the message stays pending for a replacement.
+TRANSIENT = (BusUnavailable, JournalFull)
 
 
 def rejection_reason(err: BaseException) -> str | None:
@@ -55,6 +61,7 @@ class StreamWorker:
         self.in_flight = 0
         self.handled = 0
         self.redis_ok = True
+        self.transient_error: str | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -87,7 +94,20 @@ class StreamWorker:
         self.in_flight += 1
         try:
             try:
-                await self.handle(msg)
+                backoff = 0.2
+                while True:
+                    try:
+                        await self.handle(msg)
+                        break
+                    except TRANSIENT as err:
+                        self.redis_ok = not isinstance(err, BusUnavailable)
+                        self.transient_error = str(err)
+                        log.warning("dependency unavailable; retrying the message", extra={
+                            "stream": self.stream, "id": msg.id, "error": str(err)[:300]})
+                        if self._stop.is_set():
+                            return
+                        await self._sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
             except Exception as err:
                 reason = rejection_reason(err)
                 if reason is None:
@@ -102,6 +122,7 @@ class StreamWorker:
                 return
             await self._retrying(lambda: self.bus.ack(msg, self.group))
             self.handled += 1
+            self.transient_error = None
         finally:
             self.in_flight -= 1
 

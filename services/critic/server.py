@@ -13,6 +13,7 @@ from services.core.config import RunConfig
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.scoring import ScoringService
+from services.core.trainable import Trainable
 from services.core.wire import WireError, check_schema_version, message, train_batch_from_proto
 from services.local import critic_path
 from services.models.critic import ValueModel
@@ -26,8 +27,14 @@ class Critic:
         self.cfg = cfg
         self.model = ValueModel.from_policy(critic_path(cfg, cfg.models.policy.path))  # type: ignore[arg-type]
         self.trainer = ValueTrainer(self.model, cfg.algo, seed=cfg.run.seed)
-        self.version = 0
-        self.svc = ScoringService(cfg, "critic", self.score, version=lambda: self.version)
+        self.t = Trainable(cfg, "critic", self.model, self.trainer.opt)
+        self.t.restore()
+        self.svc = ScoringService(cfg, "critic", self.score, version=lambda: self.t.version,
+                                  trainable=self.t)
+
+    @property
+    def version(self) -> int:
+        return self.t.version
 
     @torch.no_grad()
     def score(self, r: Rollout) -> torch.Tensor:
@@ -38,19 +45,22 @@ class Critic:
             req = train_batch_from_proto(request, self.cfg.flow.max_message_bytes, require=("returns", "values"))
         except WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
-        if self.version >= req.target_version:
-            # A replay after a controller restart: the step is already in these weights.
-            return message(pb.TrainResult, step=req.step, version=self.version, replayed=True)
-        if req.target_version != self.version + 1:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"critic at version {self.version} cannot apply a step targeting "
-                                f"{req.target_version}: replay the missing steps first")
-        t0 = time.perf_counter()
-        m = self.svc.metrics
-        with m.time_stage("critic_train"):
-            async with self.svc.model_lock:
-                stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step)
-        self.version = req.target_version
+        async with self.t.lock:
+            if self.version >= req.target_version:
+                # A replay after a controller restart: the step is already in these weights.
+                return message(pb.TrainResult, step=req.step, version=self.version, replayed=True)
+            if req.target_version != self.version + 1:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"critic at version {self.version} cannot apply a step targeting "
+                                    f"{req.target_version}: replay the missing steps first")
+            t0 = time.perf_counter()
+            m = self.svc.metrics
+            with m.time_stage("critic_train"):
+                async with self.svc.model_lock:
+                    stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step)
+            self.t.version, self.t.step = req.target_version, req.step
+            if self.t.due():
+                await asyncio.to_thread(self.t.save)
         m.policy_version.set(self.version)
         m.loss.labels(kind="value").set(stats.get("value_loss", 0.0))
         m.samples.labels(phase="train").inc(len(req.rollout))

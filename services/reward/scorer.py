@@ -11,7 +11,7 @@ import torch
 
 from services.core.ids import parse_task_id
 from services.rl.batch import Rollout
-from services.tasks.base import Prompt, Task
+from services.tasks.base import Prompt, Task, TaskError
 
 
 class BadReward(ValueError):
@@ -45,7 +45,10 @@ class RewardScorer:
             vals = []
             for tid, text in zip(r.task_ids, texts, strict=True):
                 prompt = self.task.prompt(parse_task_id(tid)[0])
-                vals.append(float(self.fn(prompt, text)))
+                try:
+                    vals.append(float(self.fn(prompt, text)))
+                except TaskError as e:  # e.g. a `module:function` reward that returned NaN
+                    raise BadReward(f"task {tid}: {e}") from None
             out = torch.tensor(vals, dtype=torch.float32)
         bad = [(tid, float(v)) for tid, v in zip(r.task_ids, out.tolist(), strict=True) if not math.isfinite(v)]
         if bad:

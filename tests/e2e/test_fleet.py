@@ -12,7 +12,7 @@ import pytest
 
 from services.local import run_local
 from services.report import read_metrics, write_report
-from tests.e2e.conftest import tiny_config
+from tests.fleet_helpers import tiny_config
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,540 @@
+"""Placement: resolve the config's device groups against the GPUs of a host.
+
+A run config names device groups (``devices:``) and each service names its group
+(``services.<name>.device_group``). A group is either explicit (``ids: [0, 1]``) or a request
+(``count: 2`` with hard constraints ``min_memory_gb`` / ``arch`` and a soft wish ``prefer_arch``).
+`resolve` turns groups + services + an `Inventory` into a `Plan`: which GPUs each group gets and
+therefore which GPUs each service sees. It refuses, with the group and the field named:
+
+* explicit ids that the host does not have, or that fail the group's own constraints;
+* two groups that would share a GPU (groups are disjoint; services that should share GPUs name
+  the same group);
+* a request that cannot be met by the GPUs left after the other groups.
+
+Requests are assigned all at once (a minimum-cost matching of group slots to GPUs), so a group that
+could be satisfied is never starved by the order groups are written in. Among the assignments that
+satisfy every hard constraint the plan picks the one that honours the most ``prefer_arch`` wishes,
+then keeps each group on the lowest, contiguous GPU indices in the order the groups are declared.
+
+This module is pure: NVML is imported only inside `discover_gpus`, so planning works on any machine
+(`rlfleet plan --inventory FILE` plans for a host described in a file).
+
+GPU numbering: `Gpu.index` is the NVML index (PCI bus order), which is what the NVIDIA container
+runtime takes as ``device_ids``. CUDA numbers devices fastest-first unless ``CUDA_DEVICE_ORDER`` is
+``PCI_BUS_ID``, so the CUDA_VISIBLE_DEVICES the plan writes are GPU UUIDs when known (stable under
+any ordering), with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` alongside.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.core.config import DeviceGroup, Endpoint
+
+__all__ = [
+    "Gpu",
+    "Inventory",
+    "Plan",
+    "PlacementError",
+    "arch_family",
+    "discover_gpus",
+    "load_inventory",
+    "resolve",
+]
+
+# Compute capability (major, minor) -> architecture family, as NVIDIA names them.
+_FAMILIES: tuple[tuple[tuple[int, int], str], ...] = (
+    ((3, 0), "kepler"),
+    ((5, 0), "maxwell"),
+    ((6, 0), "pascal"),
+    ((7, 0), "volta"),
+    ((7, 2), "volta"),
+    ((7, 5), "turing"),
+    ((8, 0), "ampere"),
+    ((8, 6), "ampere"),
+    ((8, 7), "ampere"),
+    ((8, 9), "ada"),
+    ((9, 0), "hopper"),
+    ((10, 0), "blackwell"),
+    ((10, 3), "blackwell"),
+    ((11, 0), "blackwell"),
+    ((12, 0), "blackwell"),
+    ((12, 1), "blackwell"),
+)
+
+
+def arch_family(major: int, minor: int) -> str:
+    """The architecture family of a compute capability ("hopper" for 9.0); the closest known
+    capability at or below it for one this table does not list."""
+    best = "unknown"
+    for (ma, mi), name in _FAMILIES:
+        if (ma, mi) <= (major, minor) and (ma == major or best == "unknown" or ma < major):
+            best = name
+    return best
+
+
+class PlacementError(ValueError):
+    """A placement that cannot be made; the message names the device group and the field."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int  # NVML index (PCI bus order), as `nvidia-smi` prints it
+    name: str = "GPU"
+    memory_gb: float = 0.0  # total memory, GiB
+    uuid: str = ""
+    compute_capability: str = ""  # "9.0"
+    arch: str = ""  # "hopper"
+
+    @property
+    def sm(self) -> str:
+        """"sm90" for compute capability 9.0, "" when unknown."""
+        return "sm" + self.compute_capability.replace(".", "") if self.compute_capability else ""
+
+    def matches_arch(self, wanted: str) -> bool:
+        """True if `wanted` names this GPU's family ("hopper"), its SM ("sm90", "sm_90") or its
+        compute capability ("9.0"). Case-insensitive."""
+        w = wanted.strip().lower().replace("_", "")
+        if not w:
+            return True
+        return w in {self.arch.lower(), self.sm.lower(), self.compute_capability.lower()} - {""}
+
+    def describe(self) -> str:
+        arch = self.arch or "?"
+        if self.sm:
+            arch += f"/{self.sm}"
+        return f"{self.index}:{self.name} {self.memory_gb:g}GB {arch}"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Gpu:
+        """From an inventory file row; `arch` may be a family ("hopper") or an SM ("sm90")."""
+        known = {"index", "name", "memory_gb", "uuid", "compute_capability", "arch"}
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"unknown keys {sorted(extra)}; allowed: {sorted(known)}")
+        if "index" not in d:
+            raise ValueError("each GPU needs an 'index'")
+        cc = str(d.get("compute_capability", "") or "")
+        arch = str(d.get("arch", "") or "").lower()
+        m = re.fullmatch(r"sm_?(\d+)(\d)", arch)
+        if m and not cc:
+            cc, arch = f"{int(m.group(1))}.{m.group(2)}", ""
+        if cc and not arch:
+            ma, _, mi = cc.partition(".")
+            arch = arch_family(int(ma), int(mi or 0))
+        return cls(
+            index=int(d["index"]),
+            name=str(d.get("name", "GPU")),
+            memory_gb=float(d.get("memory_gb", 0.0)),
+            uuid=str(d.get("uuid", "") or ""),
+            compute_capability=cc,
+            arch=arch,
+        )
+
+
+@dataclass(frozen=True)
+class Inventory:
+    gpus: tuple[Gpu, ...] = ()
+    source: str = "none"  # "nvml", "file:<path>", "synthetic"
+    reason: str | None = None  # why the inventory is empty, when it is
+
+    def __post_init__(self) -> None:
+        idx = [g.index for g in self.gpus]
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"GPU indices repeat in the inventory: {sorted(idx)}")
+        object.__setattr__(self, "gpus", tuple(sorted(self.gpus, key=lambda g: g.index)))
+
+    def __len__(self) -> int:
+        return len(self.gpus)
+
+    def by_index(self) -> dict[int, Gpu]:
+        return {g.index: g for g in self.gpus}
+
+    def indices_text(self) -> str:
+        return ",".join(str(g.index) for g in self.gpus) or "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "reason": self.reason, "gpus": [asdict(g) for g in self.gpus]}
+
+    @classmethod
+    def synthetic(cls, rows: Iterable[Mapping[str, Any] | Gpu]) -> Inventory:
+        gpus = [r if isinstance(r, Gpu) else Gpu.from_dict(r) for r in rows]
+        return cls(tuple(gpus), source="synthetic", reason=None if gpus else "no GPUs listed")
+
+
+def load_inventory(path: str | Path) -> Inventory:
+    """An inventory from a YAML/JSON file: a list of GPUs, or ``{gpus: [...]}`` (what
+    ``rlfleet plan --json`` prints under ``inventory``). Each GPU: index, name, memory_gb, and
+    arch (family or SM) or compute_capability, optionally uuid."""
+    import yaml
+
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise PlacementError(f"inventory {p}: cannot read: {e}") from None
+    rows = raw.get("gpus", []) if isinstance(raw, dict) else raw
+    if rows is None:
+        rows = []
+    if not isinstance(rows, list):
+        raise PlacementError(f"inventory {p}: expected a list of GPUs (or a mapping with 'gpus')")
+    gpus = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise PlacementError(f"inventory {p}: gpus[{i}] must be a mapping")
+        try:
+            gpus.append(Gpu.from_dict(row))
+        except (TypeError, ValueError) as e:
+            raise PlacementError(f"inventory {p}: gpus[{i}]: {e}") from None
+    try:
+        return Inventory(tuple(gpus), source=f"file:{p}", reason=None if gpus else f"{p} lists no GPUs")
+    except ValueError as e:
+        raise PlacementError(f"inventory {p}: {e}") from None
+
+
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def discover_gpus(nvml: Any = None) -> Inventory:
+    """The GPUs NVML sees on this host (all of them: CUDA_VISIBLE_DEVICES does not apply).
+
+    Never raises: without nvidia-ml-py, a driver or a device the inventory is empty and `reason`
+    says why. `nvml` is the pynvml module (tests pass a fake)."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return Inventory(source="nvml", reason="nvidia-ml-py is not installed (pip install 'rlfleet[gpu]')")
+    try:
+        nvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, NoPermission...
+        return Inventory(source="nvml", reason=f"NVML unavailable ({type(e).__name__}: {e}); no NVIDIA driver?")
+    try:
+        gpus = []
+        for i in range(int(nvml.nvmlDeviceGetCount())):
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            mem = nvml.nvmlDeviceGetMemoryInfo(h)
+            try:
+                ma, mi = nvml.nvmlDeviceGetCudaComputeCapability(h)
+                cc, arch = f"{int(ma)}.{int(mi)}", arch_family(int(ma), int(mi))
+            except Exception:
+                cc, arch = "", ""
+            gpus.append(Gpu(
+                index=i,
+                name=_text(nvml.nvmlDeviceGetName(h)),
+                memory_gb=round(int(mem.total) / 2**30, 1),
+                uuid=_text(nvml.nvmlDeviceGetUUID(h)),
+                compute_capability=cc,
+                arch=arch,
+            ))
+    except Exception as e:
+        return Inventory(source="nvml", reason=f"NVML query failed ({type(e).__name__}: {e})")
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+    return Inventory(tuple(gpus), source="nvml", reason=None if gpus else "NVML reports no GPU")
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    name: str
+    gpus: tuple[Gpu, ...]
+    services: tuple[str, ...]
+    preferred_met: bool | None = None  # None: the group has no prefer_arch
+
+    @property
+    def ids(self) -> list[int]:
+        return [g.index for g in self.gpus]
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: dict[str, GroupPlacement]
+    service_groups: dict[str, str | None]  # service -> group (None: no GPU)
+    service_replicas: dict[str, int]
+    inventory: Inventory
+    unused_groups: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    # -- per service -------------------------------------------------------------------------------
+    def gpus_for(self, service: str) -> tuple[Gpu, ...]:
+        group = self.service_groups.get(service)
+        return self.groups[group].gpus if group else ()
+
+    def gpu_ids(self, service: str) -> str:
+        """NVML indices, comma separated ("" for no GPU): docker's device_ids."""
+        return ",".join(str(g.index) for g in self.gpus_for(service))
+
+    def cuda_visible_devices(self, service: str) -> str:
+        """For a process on the host: UUIDs when every GPU has one, else NVML indices (then
+        CUDA_DEVICE_ORDER=PCI_BUS_ID must be set too, which `service_env` does). "" hides every GPU."""
+        gpus = self.gpus_for(service)
+        if gpus and all(g.uuid for g in gpus):
+            return ",".join(g.uuid for g in gpus)
+        return ",".join(str(g.index) for g in gpus)
+
+    def service_env(self, service: str) -> dict[str, str]:
+        """Environment for running `service` as a host process (what `rlfleet up` can merge in)."""
+        return {"CUDA_VISIBLE_DEVICES": self.cuda_visible_devices(service), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+    # -- output --------------------------------------------------------------------------------------
+    def env_lines(self, header: str | None = None) -> list[str]:
+        """A docker-compose env file: RLFLEET_<SERVICE>_GPUS (NVML indices for device_ids),
+        RLFLEET_<SERVICE>_CUDA_VISIBLE_DEVICES (for host processes) and RLFLEET_<SERVICE>_GPU_COUNT."""
+        lines = [f"# {header}"] if header else []
+        lines.append("# rlfleet plan: GPU placement per service. Services without a device group get no GPU.")
+        lines.append("CUDA_DEVICE_ORDER=PCI_BUS_ID")
+        for svc in sorted(self.service_groups):
+            key = svc.upper()
+            group = self.service_groups[svc]
+            lines.append(f"# {svc}: " + (f"group '{group}'" if group else "no device group (CPU)"))
+            lines.append(f"RLFLEET_{key}_GPUS={self.gpu_ids(svc)}")
+            lines.append(f"RLFLEET_{key}_GPU_COUNT={len(self.gpus_for(svc))}")
+            lines.append(f"RLFLEET_{key}_CUDA_VISIBLE_DEVICES={self.cuda_visible_devices(svc)}")
+        return lines
+
+    def write_env(self, path: str | Path, header: str | None = None) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.tmp")
+        tmp.write_text("\n".join(self.env_lines(header)) + "\n")
+        tmp.replace(p)
+        return p
+
+    def table(self) -> str:
+        """group -> GPU ids / names / memory -> services, then one row per service."""
+        rows: list[tuple[str, str, str, str, str]] = []
+        for name, gp in self.groups.items():
+            names = ", ".join(sorted({g.name for g in gp.gpus}))
+            mem = " + ".join(f"{g.memory_gb:g}" for g in gp.gpus) + " GB"
+            svcs = ", ".join(f"{s} x{self.service_replicas[s]}" if self.service_replicas.get(s, 1) > 1 else s
+                             for s in gp.services)
+            rows.append((name, ",".join(str(i) for i in gp.ids), names, mem, svcs))
+        cpu = [s for s, g in self.service_groups.items() if g is None]
+        if cpu:
+            rows.append(("(none: CPU)", "-", "-", "-", ", ".join(cpu)))
+        head = ("group", "gpus", "model", "memory", "services")
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        out = [f"GPU inventory ({self.inventory.source}): "
+               + (", ".join(g.describe() for g in self.inventory.gpus) or f"none ({self.inventory.reason})"),
+               fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+        out += [fmt.format(*r).rstrip() for r in rows]
+        out.append("")
+        for svc in sorted(self.service_groups):
+            out.append(f"{svc:<10} CUDA_VISIBLE_DEVICES={self.cuda_visible_devices(svc)!r}")
+        for g in self.unused_groups:
+            out.append(f"note: device group '{g}' is not used by any service that runs; not placed")
+        out += [f"note: {n}" for n in self.notes]
+        return "\n".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "inventory": self.inventory.to_dict(),
+            "groups": {n: {"gpus": gp.ids, "services": list(gp.services), "preferred_met": gp.preferred_met,
+                           "names": [g.name for g in gp.gpus], "memory_gb": [g.memory_gb for g in gp.gpus]}
+                       for n, gp in self.groups.items()},
+            "services": {s: {"group": g, "gpus": self.gpu_ids(s),
+                             "cuda_visible_devices": self.cuda_visible_devices(s),
+                             "replicas": self.service_replicas.get(s, 1)}
+                         for s, g in sorted(self.service_groups.items())},
+            "unused_groups": list(self.unused_groups),
+            "notes": list(self.notes),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+# --- resolution -----------------------------------------------------------------------------------
+
+
+def _constraints(g: DeviceGroup) -> str:
+    parts = []
+    if g.min_memory_gb:
+        parts.append(f"min_memory_gb >= {g.min_memory_gb:g}")
+    if g.arch:
+        parts.append(f"arch '{g.arch}'")
+    return " and ".join(parts)
+
+
+def _fits(gpu: Gpu, g: DeviceGroup) -> bool:
+    return gpu.memory_gb >= g.min_memory_gb and (not g.arch or gpu.matches_arch(g.arch))
+
+
+def _ids_text(ids: Iterable[int]) -> str:
+    return ",".join(str(i) for i in ids) or "none"
+
+
+# Costs of the matching: a missed prefer_arch wish outweighs any index order.
+_MISS_PREFERENCE = 1_000_000
+
+
+def _min_cost_assignment(slots: list[str], eligible: dict[str, set[int]],
+                         cost: dict[tuple[str, int], int]) -> dict[int, int] | None:
+    """Give every slot (one per GPU a group needs, named by its group) a distinct eligible GPU at
+    minimum total cost. Returns slot position -> GPU index, or None when no full assignment exists.
+
+    Successive shortest augmenting paths, Bellman-Ford on the residual graph (matched edges run
+    backwards at negative cost). Tens of slots and GPUs at most: simple beats fast here."""
+    inf = float("inf")
+    slot_gpu: dict[int, int] = {}
+    gpu_slot: dict[int, int] = {}
+    for s in range(len(slots)):
+        dist_slot: dict[int, float] = {s: 0.0}
+        dist_gpu: dict[int, float] = {}
+        via: dict[int, int] = {}  # gpu -> the slot its shortest path came from
+        for _ in range(2 * (len(slots) + len(cost)) + 2):
+            changed = False
+            for slot, d in list(dist_slot.items()):
+                for gi in sorted(eligible[slots[slot]]):
+                    if slot_gpu.get(slot) == gi:
+                        continue
+                    nd = d + cost[(slots[slot], gi)]
+                    if nd < dist_gpu.get(gi, inf):
+                        dist_gpu[gi], via[gi], changed = nd, slot, True
+            for gi, d in list(dist_gpu.items()):
+                o = gpu_slot.get(gi)
+                if o is not None:
+                    nd = d - cost[(slots[o], gi)]
+                    if nd < dist_slot.get(o, inf):
+                        dist_slot[o], changed = nd, True
+            if not changed:
+                break
+        free = [gi for gi in dist_gpu if gi not in gpu_slot]
+        if not free:
+            return None
+        gi = min(free, key=lambda g: (dist_gpu[g], g))
+        while True:  # flip the alternating path back to s
+            slot = via[gi]
+            previous = slot_gpu.get(slot)
+            slot_gpu[slot], gpu_slot[gi] = gi, slot
+            if slot == s:
+                break
+            assert previous is not None
+            gi = previous
+    return slot_gpu
+
+
+def resolve(devices: Mapping[str, DeviceGroup], services: Mapping[str, Endpoint], inventory: Inventory) -> Plan:
+    """Place every device group used by `services` on `inventory`'s GPUs. Raises PlacementError."""
+    service_groups: dict[str, str | None] = {s: ep.device_group for s, ep in services.items()}
+    replicas = {s: ep.replicas for s, ep in services.items()}
+    for svc, grp in service_groups.items():
+        if grp is not None and grp not in devices:
+            known = ", ".join(sorted(devices)) or "none defined"
+            raise PlacementError(f"services.{svc}.device_group: device group '{grp}' not found in devices"
+                                 f" (known: {known})")
+    used = [g for g in devices if g in set(service_groups.values())]
+    unused = tuple(g for g in devices if g not in used)
+    users = {g: tuple(s for s, sg in service_groups.items() if sg == g) for g in used}
+    if used and not inventory.gpus:
+        needs = ", ".join(f"'{g}' ({', '.join(users[g])})" for g in used)
+        raise PlacementError(
+            f"device groups {needs} need GPUs but this host has none: {inventory.reason or 'empty inventory'}."
+            " Run `rlfleet plan` on the GPU host, pass --inventory FILE, or remove the services' device_group"
+            " for a CPU run")
+
+    by_index = inventory.by_index()
+    found = inventory.indices_text()
+    taken: dict[int, str] = {}
+    placed: dict[str, tuple[Gpu, ...]] = {}
+
+    # 1. Explicit ids: present, meeting the group's own constraints, and disjoint.
+    for name in used:
+        g = devices[name]
+        if g.ids is None:
+            continue
+        missing = [i for i in g.ids if i not in by_index]
+        if missing:
+            raise PlacementError(f"device group '{name}': ids {missing} not present (found {found})")
+        for i in g.ids:
+            gpu = by_index[i]
+            if gpu.memory_gb < g.min_memory_gb:
+                raise PlacementError(f"device group '{name}': ids: GPU {i} ({gpu.name}) has {gpu.memory_gb:g} GB,"
+                                     f" below min_memory_gb {g.min_memory_gb:g}")
+            if g.arch and not gpu.matches_arch(g.arch):
+                raise PlacementError(f"device group '{name}': ids: GPU {i} ({gpu.name}) is {gpu.arch or 'unknown'}"
+                                     f"{'/' + gpu.sm if gpu.sm else ''}, not arch '{g.arch}'")
+            if i in taken:
+                raise PlacementError(f"device groups '{taken[i]}' and '{name}' overlap: both claim GPU {i} (ids);"
+                                     " groups must be disjoint; let services share one group instead")
+            taken[i] = name
+        placed[name] = tuple(by_index[i] for i in g.ids)
+
+    # 2. Requests: each on its own first (a clear message), then all together.
+    requests = [n for n in used if devices[n].count is not None]
+    pool = [gpu for gpu in inventory.gpus if gpu.index not in taken]
+    eligible: dict[str, set[int]] = {}
+    for name in requests:
+        g = devices[name]
+        count = g.count or 0
+        fits_host = [gpu for gpu in inventory.gpus if _fits(gpu, g)]
+        eligible[name] = {gpu.index for gpu in pool if _fits(gpu, g)}
+        if len(eligible[name]) < count:
+            what = f"count {count} needs {count} GPU{'s' if count != 1 else ''}"
+            cons = _constraints(g)
+            if cons:
+                what += f" with {cons}"
+            if len(fits_host) < count:
+                raise PlacementError(f"device group '{name}': {what}; this host has {len(fits_host)}"
+                                     f" (found {', '.join(x.describe() for x in inventory.gpus)})")
+            raise PlacementError(f"device group '{name}': {what}; {len(eligible[name])} left after other groups"
+                                 f" ({', '.join(f'{o}: {_ids_text(x.index for x in v)}' for o, v in placed.items())})")
+    total = sum(devices[n].count or 0 for n in requests)
+    if total > len(pool):
+        raise PlacementError(f"device groups {', '.join(repr(n) for n in requests)}: count adds up to {total} GPUs;"
+                             f" {len(pool)} left after explicit ids (found {found})")
+
+    weight = {name: len(requests) - k for k, name in enumerate(requests)}  # earlier groups: lower ids
+    cost: dict[tuple[str, int], int] = {}
+    for name in requests:
+        g = devices[name]
+        for gpu in pool:
+            miss = bool(g.prefer_arch) and not gpu.matches_arch(g.prefer_arch or "")
+            cost[(name, gpu.index)] = _MISS_PREFERENCE * miss + weight[name] * gpu.index
+    slots: list[str] = []
+    for name in requests:
+        slots.extend([name] * (devices[name].count or 0))
+        got = _min_cost_assignment(slots, eligible, cost)
+        if got is None:
+            g = devices[name]
+            cons = _constraints(g)
+            others = [o for o in requests[: requests.index(name)]]
+            raise PlacementError(
+                f"device group '{name}': count {g.count} needs {g.count} GPUs{' with ' + cons if cons else ''};"
+                f" not enough left after other groups ({', '.join(repr(o) for o in others) or 'explicit ids'}"
+                f" need the same GPUs; eligible: {_ids_text(sorted(eligible[name]))})")
+    assignment = _min_cost_assignment(slots, eligible, cost) if slots else {}
+    assert assignment is not None
+    for name in requests:
+        ids = sorted(gi for pos, gi in assignment.items() if slots[pos] == name)
+        placed[name] = tuple(by_index[i] for i in ids)
+
+    groups: dict[str, GroupPlacement] = {}
+    notes: list[str] = []
+    for name in used:
+        g = devices[name]
+        gpus = placed[name]
+        met = None
+        if g.prefer_arch:
+            met = all(x.matches_arch(g.prefer_arch) for x in gpus)
+            if not met:
+                notes.append(f"device group '{name}': prefer_arch '{g.prefer_arch}' not met on every GPU"
+                             f" (got {', '.join(x.describe() for x in gpus)})")
+        groups[name] = GroupPlacement(name, gpus, users[name], met)
+        for svc in users[name]:
+            if replicas.get(svc, 1) > 1:
+                notes.append(f"{svc}: {replicas[svc]} replicas share group '{name}' (GPUs {_ids_text(x.index for x in gpus)})")
+    return Plan(groups, service_groups, replicas, inventory, unused, tuple(notes))

@@ -1,0 +1,69 @@
+"""What the actor and the critic share as trainable services: a version that never goes backwards,
+checkpoints on a cadence and on drain, and catching up to the controller's acknowledged version.
+
+A restarted service reloads its latest checkpoint; the controller notices its version is behind
+the journal's (GetState) and replays the training batches after it, so the service converges to
+the current version before it serves again (invariant 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from services.core.config import RunConfig
+from services.models.checkpoint import latest_meta, load_latest, prune, save_checkpoint
+
+log = logging.getLogger("rlfleet.trainable")
+
+
+class Trainable:
+    def __init__(self, cfg: RunConfig, service: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.cfg = cfg
+        self.service = service
+        self.model = model
+        self.optimizer = optimizer
+        self.root: Path = cfg.checkpoint_dir
+        self.version = 0
+        self.step = 0
+        self.checkpoint_version = 0
+        # The version the controller has acknowledged (published in Redis); ready only at it.
+        self.target_version = 0
+        self.lock = asyncio.Lock()  # one Train (or checkpoint) at a time
+
+    def restore(self) -> int:
+        meta = load_latest(self.root, self.service, self.model, self.optimizer)
+        if meta is not None:
+            self.version = self.checkpoint_version = meta.version
+            self.step = meta.step
+            log.info("restored checkpoint", extra={"service": self.service, "version": meta.version})
+        return self.version
+
+    def save(self) -> None:
+        """Checkpoint the current version (no-op when it is already on disk)."""
+        if self.version == 0 or self.version <= self.checkpoint_version:
+            return
+        save_checkpoint(self.root, self.service, self.version, self.step, self.model, self.optimizer)
+        self.checkpoint_version = self.version
+        prune(self.root, self.service, keep=self.cfg.checkpoint.keep)
+        log.info("checkpoint written", extra={"service": self.service, "version": self.version})
+
+    def due(self) -> bool:
+        return self.version - self.checkpoint_version >= self.cfg.checkpoint.every
+
+    @property
+    def caught_up(self) -> bool:
+        return self.version >= self.target_version
+
+    def readiness_reason(self) -> str | None:
+        if self.caught_up:
+            return None
+        return f"catching up: at version {self.version}, fleet at {self.target_version}"
+
+    def on_disk(self) -> int:
+        meta = latest_meta(self.root, self.service)
+        return meta.version if meta else 0

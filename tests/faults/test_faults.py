@@ -1,0 +1,341 @@
+"""Fault injection against a real fleet on the tiny task. Every case ends with the run completing
+all its steps and `rlfleet audit` passing (no loss, exactly-once, bounded staleness, monotonic
+versions, bounded resources). Recovery time (fault to the next completed step) is recorded and
+printed at the end of the session."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import yaml
+
+from services.audit import audit
+from services.core.config import RunConfig
+from services.core.pb import rlfleet_pb2 as pb
+from services.core.redis_proc import start_redis
+from services.fleet import Fleet, swap
+from services.report import read_metrics
+from tests.fleet_helpers import controller_detail, rss_bytes, scrape, tiny_config, wait_for_step
+
+pytestmark = pytest.mark.slow
+
+RECOVERY: list[tuple[str, float]] = []
+STEPS = 8
+
+
+def fault_config(run_dir: Path, model: Path, **sections: dict[str, Any]) -> RunConfig:
+    """PPO with KL, so every service runs; small steps and short timeouts so faults heal fast."""
+    base: dict[str, dict[str, Any]] = {
+        "run": {"max_steps": STEPS},
+        "algo": {"name": "ppo", "group_size": 2, "kl_coef": 0.05, "kl_in": "reward", "minibatch_size": 16},
+        "batch": {"prompts_per_step": 8, "prompts_per_message": 4},
+        "flow": {"resend_after_s": 4.0, "reclaim_idle_ms": 1500, "rpc_timeout_s": 120.0},
+        "checkpoint": {"every": 2},
+    }
+    for k, v in sections.items():
+        base.setdefault(k, {}).update(v)
+    return tiny_config(run_dir, model, **base)
+
+
+class Run:
+    """A fleet supervised in a background thread while the test injects faults."""
+
+    def __init__(self, fleet: Fleet, cfg: RunConfig) -> None:
+        self.fleet, self.cfg = fleet, cfg
+        self.result: int | BaseException | None = None
+        fleet.start(ready_timeout_s=180)
+        self.thread = threading.Thread(target=self._supervise, daemon=True)
+        self.thread.start()
+
+    def _supervise(self) -> None:
+        try:
+            self.result = self.fleet.supervise(timeout_s=300, poll_s=0.2)
+        except BaseException as e:  # surfaced in finish()
+            self.result = e
+
+    def step(self) -> int:
+        return int(controller_detail(self.fleet).get("step", 0))
+
+    def fault(self, name: str, inject: Callable[[], Any], at_step: int = 2) -> float:
+        """Inject at `at_step`; return the seconds until the next step completes."""
+        wait_for_step(self.fleet, at_step)
+        before = self.step()
+        t0 = time.monotonic()
+        inject()
+        t1 = wait_for_step(self.fleet, before + 1, timeout_s=240)
+        RECOVERY.append((name, t1 - t0))
+        return t1 - t0
+
+    def finish(self) -> None:
+        self.thread.join(timeout=320)
+        assert not isinstance(self.result, BaseException), repr(self.result)
+        assert self.result == 0, f"supervise returned {self.result}"
+        rows = read_metrics(self.cfg.run_dir / "metrics.jsonl")
+        assert [r["step"] for r in rows] == list(range(1, self.cfg.run.max_steps + 1))
+        report = audit(self.cfg.run_dir, finished=True)
+        assert report.ok, report.render()
+
+
+@pytest.fixture
+def run_factory(fleet_factory: Any) -> Iterator[Callable[[RunConfig], Run]]:
+    def make(cfg: RunConfig) -> Run:
+        return Run(fleet_factory(cfg, restart_budget=3), cfg)
+
+    yield make
+
+
+def kill9(fleet: Fleet, name: str) -> Callable[[], None]:
+    return lambda: os.kill(fleet.procs[name].proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("service", ["critic", "reward", "reference", "actor", "controller"])
+def test_kill9_mid_step_recovers_without_loss(service: str, tmp_path: Path, tiny_model: Path, run_factory) -> None:
+    cfg = fault_config(tmp_path / "run", tiny_model)
+    run = run_factory(cfg)
+    old_pid = run.fleet.procs[service].proc.pid
+    run.fault(f"kill -9 {service}", kill9(run.fleet, service))
+    run.finish()
+    assert run.fleet.procs[service].proc.pid != old_pid, "the supervisor restarted it"
+    assert run.fleet.procs[service].restarts == 1
+
+
+def test_sigstop_past_reclaim_then_sigcont_counts_once(tmp_path: Path, tiny_model: Path, run_factory) -> None:
+    """A stalled reward consumer's pending entries are reclaimed by a second replica; when it wakes
+    up its late score is a duplicate the controller ignores."""
+    cfg = fault_config(tmp_path / "run", tiny_model)
+    run = run_factory(cfg)
+    assert run.fleet.cfg is not None
+    replica_cfg = run.fleet.cfg.model_dump(mode="json")
+    replica_cfg["services"]["reward"].update(grpc_port=0, http_port=0)
+    replica_cfg["run"]["dir"] = str(tmp_path / "replica")
+    path = tmp_path / "replica.yaml"
+    path.write_text(yaml.safe_dump(replica_cfg))
+    log = (tmp_path / "replica.log").open("wb")
+    replica = subprocess.Popen([sys.executable, "-m", "services.reward", "--config", str(path)],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        victim = run.fleet.procs["reward"].proc.pid
+
+        def stall() -> None:
+            os.kill(victim, signal.SIGSTOP)
+            time.sleep(3 * cfg.flow.reclaim_idle_ms / 1000)
+            os.kill(victim, signal.SIGCONT)
+
+        run.fault("SIGSTOP reward past reclaim, SIGCONT", stall)
+        run.finish()
+        state = json.loads((tmp_path / "replica" / "services" / "reward.json").read_text())
+        assert state["pid"] == replica.pid
+    finally:
+        replica.terminate()
+        replica.wait(timeout=30)
+        log.close()
+
+
+def _restart_redis(fleet: Fleet, empty: bool) -> Callable[[], None]:
+    def go() -> None:
+        rp = fleet.redis
+        assert rp is not None
+        rp.stop(kill=True)
+        if empty:
+            for child in rp.dir.iterdir():
+                if child.name.startswith("appendonly"):
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+        time.sleep(1.0)
+        fleet.redis = start_redis(rp.dir, port=rp.port)
+
+    return go
+
+
+@pytest.mark.parametrize("empty", [False, True], ids=["aof", "empty"])
+def test_redis_kill9_and_restart(empty: bool, tmp_path: Path, tiny_model: Path, run_factory) -> None:
+    cfg = fault_config(tmp_path / "run", tiny_model)
+    run = run_factory(cfg)
+    name = "redis restarted empty" if empty else "redis kill -9, AOF restart"
+    run.fault(name, _restart_redis(run.fleet, empty))
+    run.finish()
+
+
+def test_hot_swap_critic_under_load(tmp_path: Path, tiny_model: Path, run_factory) -> None:
+    cfg = fault_config(tmp_path / "run", tiny_model, run={"max_steps": 10})
+    run = run_factory(cfg)
+    timings: dict[str, float] = {}
+    run.fault("hot swap critic", lambda: timings.update(swap(cfg.run_dir, "critic", timeout_s=120)))
+    run.finish()
+    assert run.fleet.procs["critic"].restarts == 0, "a drained service is replaced, not counted as a crash"
+    served = [json.loads(x) for x in (cfg.run_dir / "events.jsonl").read_text().splitlines()]
+    critic = [e["version"] for e in served if e["kind"] == "version_served" and e["service"] == "critic"]
+    assert critic == sorted(critic), f"critic versions went backwards: {critic}"
+
+
+def test_slow_critic_is_held_by_backpressure(tmp_path: Path, tiny_model: Path, run_factory) -> None:
+    """Critic slowed tenfold (SIGSTOP 90% of the time): its queue plateaus at the high watermark
+    instead of growing to the admission window, and the actor's memory stays flat."""
+    cfg = fault_config(tmp_path / "run", tiny_model, run={"max_steps": 10},
+                       flow={"max_staleness": 3, "stream_capacity": 4, "high_watermark": 0.7,
+                             "low_watermark": 0.3})
+    run = run_factory(cfg)
+    assert run.fleet.cfg is not None and run.fleet.redis is not None
+    r = redis.Redis(port=run.fleet.redis.port)
+    stop = threading.Event()
+    depths: list[int] = []
+    rss: list[int] = []
+    held: list[float] = []
+
+    def throttle() -> None:
+        while not stop.is_set():
+            pid = run.fleet.procs["critic"].proc.pid
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.45)
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            time.sleep(0.05)
+
+    def watch() -> None:
+        actor_port = run.fleet.cfg.endpoint("actor").http_port  # type: ignore[union-attr]
+        while not stop.is_set():
+            try:
+                for g in r.xinfo_groups(f"rlfleet:{cfg.run.name}:rollouts"):
+                    if g["name"] == b"critic":
+                        depths.append(int(g.get("lag") or 0) + int(g["pending"]))
+                rss.append(rss_bytes(run.fleet.procs["actor"].proc.pid))
+                held.append(scrape("127.0.0.1", actor_port).get('rlfleet_backpressure{service="actor"}', 0.0))
+            except Exception:
+                pass
+            time.sleep(0.2)
+
+    threads = [threading.Thread(target=throttle, daemon=True), threading.Thread(target=watch, daemon=True)]
+    wait_for_step(run.fleet, 1)
+    for t in threads:
+        t.start()
+    try:
+        run.finish()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=5)
+        if run.fleet.procs["critic"].alive:
+            os.kill(run.fleet.procs["critic"].proc.pid, signal.SIGCONT)
+    window = (cfg.flow.max_staleness + 1) * cfg.batch.prompts_per_step // cfg.batch.prompts_per_message
+    plateau = cfg.flow.high_watermark * cfg.flow.stream_capacity
+    assert max(held) == 1.0, "backpressure never engaged"
+    # One message may be in generation when the hold starts, and the controller's group counts too.
+    assert max(depths) <= plateau + 2 < window, (max(depths), plateau, window)
+    half = rss[len(rss) // 2:]
+    assert max(half) - min(half) < 64 * 1024 * 1024, "actor memory grew while held"
+
+
+def _stream(cfg: RunConfig, name: str) -> str:
+    return f"rlfleet:{cfg.run.name}:{name}"
+
+
+def test_bad_messages_are_dead_lettered_with_named_reasons(tmp_path: Path, tiny_model: Path, run_factory) -> None:
+    cfg = fault_config(tmp_path / "run", tiny_model, flow={"max_message_bytes": 256 * 1024})
+    run = run_factory(cfg)
+    assert run.fleet.redis is not None
+    r = redis.Redis(port=run.fleet.redis.port)
+
+    def inject() -> None:
+        r.xadd(_stream(cfg, "rollouts"), {"data": b"\x0a\xff\xff\xff\xff\x0f garbage", "kind": "rollout",
+                                           "batch_id": "b999999:bad"})
+        r.xadd(_stream(cfg, "rollouts"), {"data": b"\x00" * (cfg.flow.max_message_bytes + 1), "kind": "rollout",
+                                           "batch_id": "b999998:big"})
+        wrong = pb.RolloutBatch(schema_version=1, batch_id="b999997:shape", task_ids=["t999997-0", "t999997-1"])
+        for field, dtype, shape in (("prompt_ids", "int64", [2, 3]), ("prompt_mask", "bool", [2, 3]),
+                                    ("response_ids", "int64", [2, 2]), ("response_mask", "bool", [2, 2]),
+                                    ("behaviour_logprobs", "float32", [2, 5]), ("group_ids", "int64", [2])):
+            t = getattr(wrong, field)
+            t.dtype, t.shape[:] = dtype, shape
+            n = 1
+            for d in shape:
+                n *= d
+            t.data = b"\x00" * (n * {"int64": 8, "bool": 1, "float32": 4}[dtype])
+        r.xadd(_stream(cfg, "rollouts"), {"data": wrong.SerializeToString(), "kind": "rollout",
+                                           "batch_id": "b999997:shape"})
+        future = pb.PromptBatch(schema_version=99, batch_id="b999996")
+        r.xadd(_stream(cfg, "prompts"), {"data": future.SerializeToString(), "kind": "prompts",
+                                          "batch_id": "b999996"})
+        nan = pb.ScoreBatch(schema_version=1, batch_id="b999995:nan", stage="reward", task_ids=["t999995-0"])
+        nan.rewards.dtype, nan.rewards.shape[:] = "float32", [1]
+        nan.rewards.data = b"\x00\x00\xc0\x7f"  # float32 NaN
+        r.xadd(_stream(cfg, "scores"), {"data": nan.SerializeToString(), "kind": "score", "batch_id": "b999995:nan"})
+
+    run.fault("malformed, oversized, wrong shape, schema, NaN score", inject)
+    run.finish()
+    reasons = [e[1][b"reason"].decode() for e in r.xrange(_stream(cfg, "dead"))]
+    for named in ("malformed", "oversized", "shape_mismatch", "schema_version", "non_finite"):
+        assert any(named in x for x in reasons), f"no dead letter for {named}: {reasons}"
+
+
+def test_nan_reward_kills_only_its_tasks_and_the_run_goes_on(tmp_path: Path, tiny_model: Path, run_factory) -> None:
+    cfg = fault_config(tmp_path / "run", tiny_model,
+                       task={"reward_fn": "tests.faults.chaos_rewards:nan_for_index_8"})
+    run = run_factory(cfg)
+    run.finish()
+    RECOVERY.append(("NaN reward from the reward function", 0.0))
+    report = audit(cfg.run_dir, finished=True)
+    assert report.ok
+    from services.core.journal import Journal
+
+    with Journal.open(cfg.journal_dir, readonly=True) as j:
+        dead = [t for t in j.iter_tasks() if t.state == "dead"]
+    assert dead and all(t.dataset_index // 4 == 2 for t in dead)
+    assert all("non_finite" in (t.reason or "") or "not finite" in (t.reason or "") for t in dead)
+
+
+def test_lmdb_map_full_grows_and_the_run_goes_on(tmp_path: Path, tiny_model: Path, run_factory) -> None:
+    cfg = fault_config(tmp_path / "run", tiny_model, journal={"map_size_bytes": 64 * 1024})
+    run = run_factory(cfg)
+    run.finish()
+    assert (cfg.journal_dir / "data.mdb").stat().st_size > 64 * 1024
+
+
+def test_lmdb_on_a_full_filesystem_pauses_and_resumes(tmp_path: Path, tiny_model: Path, run_factory) -> None:
+    mnt = tmp_path / "jfs"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+    try:
+        cfg = fault_config(tmp_path / "run", tiny_model,
+                           journal={"dir": str(mnt / "journal"), "min_free_bytes": 512 * 1024})
+        run = run_factory(cfg)
+        filler = mnt / "filler"
+        port = run.fleet.cfg.endpoint("controller").http_port  # type: ignore[union-attr]
+        import httpx
+
+        def fill_then_free() -> None:
+            with filler.open("wb") as f:
+                try:
+                    while True:
+                        f.write(b"\x00" * 65536)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 30
+            ready = 200
+            while time.monotonic() < deadline:
+                ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code
+                if ready == 503:
+                    break
+                time.sleep(0.2)
+            assert ready == 503, "controller stayed ready on a full disk"
+            time.sleep(2.0)
+            filler.unlink()
+
+        run.fault("LMDB on a full filesystem", fill_then_free)
+        run.finish()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

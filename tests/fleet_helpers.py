@@ -1,0 +1,78 @@
+"""Shared helpers for tests that run a real fleet: the embedded default config with free ports, a
+private run directory and the session's prebuilt tiny model."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from services.core.config import RunConfig, parse_config
+from services.fleet import Fleet
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
+
+
+def tiny_config(run_dir: Path, model: Path, **sections: dict[str, Any]) -> RunConfig:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["run"]["dir"] = str(run_dir)
+    data["models"]["policy"]["path"] = str(model)
+    data["services"] = {n: {"grpc_port": 0, "http_port": 0}
+                        for n in ("controller", "actor", "critic", "reward", "reference")}
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return parse_config(data, source="test config")
+
+
+def controller_detail(fleet: Fleet) -> dict[str, Any]:
+    try:
+        return dict(fleet.status().get("controller", {}).get("detail", {}) or {})
+    except Exception:
+        return {}
+
+
+def wait_for_step(fleet: Fleet, step: int, timeout_s: float = 120.0) -> float:
+    """Block until the controller has finished `step` steps; returns the monotonic time it did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if controller_detail(fleet).get("step", 0) >= step:
+            return time.monotonic()
+        ctl = fleet.procs.get("controller")
+        if ctl is not None and not ctl.alive and ctl.proc.returncode == 0:
+            return time.monotonic()
+        time.sleep(0.1)
+    raise TimeoutError(f"fleet did not reach step {step} within {timeout_s}s")
+
+
+def scrape(host: str, port: int) -> dict[str, float]:
+    text = httpx.get(f"http://{host}:{port}/metrics", timeout=2).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([-+0-9.eEinfa]+)$", line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
