@@ -27,6 +27,7 @@ class _Entry:
     rollout: Rollout
     order: int  # dataset index of the batch's first prompt: steps consume batches in this order
     scores: dict[str, torch.Tensor] = field(default_factory=dict)
+    ready: bool = False  # every score in AND the journal says `scored`: a step may take it
 
 
 class StepAssembler:
@@ -68,11 +69,18 @@ class StepAssembler:
     def rollout_of(self, prompt_batch_id: str) -> Rollout:
         return self._by_batch[prompt_batch_id].rollout
 
+    def has_all_scores(self, prompt_batch_id: str) -> bool:
+        e = self._by_batch.get(prompt_batch_id)
+        return e is not None and all(s in e.scores for s in self.stages)
+
+    def mark_ready(self, prompt_batch_id: str) -> None:
+        e = self._by_batch.get(prompt_batch_id)
+        if e is not None and self.has_all_scores(prompt_batch_id):
+            e.ready = True
+
     def complete(self) -> list[str]:
-        return sorted(
-            (pb for pb, e in self._by_batch.items() if all(s in e.scores for s in self.stages)),
-            key=lambda pb: self._by_batch[pb].order,
-        )
+        """Batches a step may take, oldest first."""
+        return sorted((pb for pb, e in self._by_batch.items() if e.ready), key=lambda pb: self._by_batch[pb].order)
 
     def drop(self, prompt_batch_id: str) -> None:
         """Forget a batch (its tasks went dead, or a resumed step already holds it)."""

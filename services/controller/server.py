@@ -82,6 +82,9 @@ class Controller:
         # Prompt batch id -> monotonic time of its last progress (admit, rollout, score): the
         # watchdog re-publishes batches that stall, whatever lost their messages.
         self.progress: dict[str, float] = {}
+        # Journal writes that change the number of tasks in flight, together with their event, so
+        # the event log never shows an admission ahead of the step that made room for it.
+        self.flight_lock = asyncio.Lock()
 
     # -- runtime callbacks ---------------------------------------------------------------------------
     async def readiness(self) -> list[str]:
@@ -158,33 +161,42 @@ class Controller:
 
     async def admit_loop(self) -> None:
         c = self.cfg
-        per_msg = c.batch.prompts_per_message * c.algo.group_size
         budget = (c.flow.max_staleness + 1) * c.samples_per_step
         needed = c.run.max_steps * c.samples_per_step
         while not self.done:
-            can = self.journal.has_space(c.journal.min_free_bytes) and self.journal_error is None
-            in_flight = self.journal.in_flight()
-            self.metrics.in_flight.set(in_flight)
-            first = self.journal.cursor
-            self.admission_open = can and in_flight + per_msg <= budget
-            self.metrics.admission_open.set(int(self.admission_open))
-            # Dead tasks never train, so the run admits replacements for them.
-            usable = first * c.algo.group_size - self.journal.counts().get("dead", 0)
-            if not self.admission_open or usable >= needed:
+            async with self.flight_lock:
+                first = await self._admit_once(budget, needed)
+            if first is None:
                 await asyncio.sleep(0.05)
                 continue
-            tasks = self._message_tasks(first)
-            try:
-                await asyncio.to_thread(self.journal.admit, tasks, first + c.batch.prompts_per_message)
-                self.journal_error = None
-            except JournalFull as e:
-                log.error("journal full; admission stopped until space returns", extra={"error": str(e)[:300]})
-                self.journal_error = str(e)[:300]
-                await asyncio.sleep(1.0)
-                continue
-            self.events.emit("admitted", task_ids=[t.task_id for t in tasks], cursor=first)
-            self.progress[make_batch_id(first)] = time.monotonic()
             await self._retry_bus(lambda f=first: self._publish_prompts(f))
+
+    async def _admit_once(self, budget: int, needed: int) -> int | None:
+        """Admit one prompt message if the staleness budget allows; returns its first dataset index."""
+        c = self.cfg
+        per_msg = c.batch.prompts_per_message * c.algo.group_size
+        can = self.journal.has_space(c.journal.min_free_bytes) and self.journal_error is None
+        in_flight = self.journal.in_flight()
+        self.metrics.in_flight.set(in_flight)
+        first = self.journal.cursor
+        self.admission_open = can and in_flight + per_msg <= budget
+        self.metrics.admission_open.set(int(self.admission_open))
+        # Dead tasks never train, so the run admits replacements for them.
+        usable = first * c.algo.group_size - self.journal.counts().get("dead", 0)
+        if not self.admission_open or usable >= needed:
+            return None
+        tasks = self._message_tasks(first)
+        try:
+            await asyncio.to_thread(self.journal.admit, tasks, first + c.batch.prompts_per_message)
+            self.journal_error = None
+        except JournalFull as e:
+            log.error("journal full; admission stopped until space returns", extra={"error": str(e)[:300]})
+            self.journal_error = str(e)[:300]
+            await asyncio.sleep(1.0)
+            return None
+        self.events.emit("admitted", task_ids=[t.task_id for t in tasks], cursor=first)
+        self.progress[make_batch_id(first)] = time.monotonic()
+        return first
 
     async def _retry_bus(self, op: Any) -> None:
         """The journal already holds the task; publishing is retried until Redis answers."""
@@ -236,17 +248,21 @@ class Controller:
         rid = self.assembler.rollout_id_of(pbid)
         if rid is None:
             return
+        version = self.assembler.rollout_of(pbid).version
+        complete = self.assembler.has_all_scores(pbid)
         ids = [t.task_id for t in self._message_tasks(self._first_of(pbid))]
         recs = [await asyncio.to_thread(self.journal.get, i) for i in ids]
         states = {r.state for r in recs if r is not None}
-        rollout = self.assembler.rollout_of(pbid)
         if "admitted" in states:
-            await self.durable(self.journal.mark_generated, ids, rollout.version, rid)
-            self.events.emit("generated", task_ids=ids, version=rollout.version)
-        if pbid in self.assembler.complete() and states & {"admitted", "generated"}:
-            for stage in self.stages:
-                await self.durable(self.journal.mark_stage_done, ids, stage)
-            self.events.emit("scored", task_ids=ids)
+            await self.durable(self.journal.mark_generated, ids, version, rid)
+            self.events.emit("generated", task_ids=ids, version=version)
+        if complete:
+            if states & {"admitted", "generated"}:
+                for stage in self.stages:
+                    await self.durable(self.journal.mark_stage_done, ids, stage)
+                self.events.emit("scored", task_ids=ids)
+            # Only now may a step take it: its tasks are `scored` in the journal.
+            self.assembler.mark_ready(pbid)
 
     @staticmethod
     def _first_of(prompt_batch_id: str) -> int:
@@ -371,9 +387,10 @@ class Controller:
         if not live:
             return
         # A stage that rejected a rollout for good (NaN reward, wrong shape...) would reject it again.
-        await asyncio.to_thread(self.journal.mark_dead, live, reason[:500])
-        for tid in live:
-            self.events.emit("dead", task_id=tid, reason=reason[:500])
+        async with self.flight_lock:
+            await self.durable(self.journal.mark_dead, live, reason[:500])
+            for tid in live:
+                self.events.emit("dead", task_id=tid, reason=reason[:500])
         self.assembler.drop(pbid)
         self.progress.pop(pbid, None)
         log.warning("tasks dead", extra={"batch_id": pbid, "tasks": len(live), "reason": reason[:200]})
@@ -426,13 +443,14 @@ class Controller:
         results = await asyncio.gather(*calls)
         t_train = time.perf_counter()
         gen_versions = r.versions.tolist() if r.versions is not None else [r.version] * len(r)
-        await self.durable(self.journal.mark_trained, r.task_ids, step + 1, target - 1, c.flow.max_staleness)
+        async with self.flight_lock:
+            await self.durable(self.journal.mark_trained, r.task_ids, step + 1, target - 1, c.flow.max_staleness)
+            self.events.emit("trained", step=step + 1, task_ids=r.task_ids, version=target - 1,
+                             generated_versions=gen_versions)
         for name in self.trainable:
             await self.durable(self.journal.set_version, name, target)
         with contextlib.suppress(BusUnavailable):
             await self.bus.set_versions({n: target for n in self.trainable})  # type: ignore[union-attr]
-        self.events.emit("trained", step=step + 1, task_ids=r.task_ids, version=target - 1,
-                         generated_versions=gen_versions)
         staleness = target - 1 - min(gen_versions)
         self.version = target
         for res in results:
