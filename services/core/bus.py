@@ -406,7 +406,8 @@ class Bus:
                     n - 1,
                     _field(fields, DATA_FIELD) or b"",
                     _decode_headers_lenient(fields),
-                    f"not acknowledged after {n - 1} deliveries (max_deliveries={self.max_deliveries})",
+                    f"max_deliveries: not acknowledged after {n - 1} deliveries"
+                    f" (max_deliveries={self.max_deliveries})",
                 )
                 continue
             msg = await self._accept(stream, group, msg_id, fields, deliveries=n)
@@ -435,17 +436,22 @@ class Bus:
         """Turn a raw entry into a Message, or dead-letter it when it is not one of ours."""
         fields = fields or {}
         data = _field(fields, DATA_FIELD)
+        if stream == self.keys.dead:
+            # Dead letters are read as they are (the reader only inspects their headers): never
+            # dead-letter a dead letter, or an oversized one would feed itself forever.
+            return Message(stream=stream, id=msg_id, data=bytes(data or b""),
+                           headers=_decode_headers_lenient(fields), deliveries=deliveries)
         reason: str | None = None
         headers: dict[str, str] = {}
         if data is None:
-            reason = f"entry has no '{DATA_FIELD}' field"
+            reason = f"missing_data: entry has no '{DATA_FIELD}' field"
         elif len(data) > self.max_message_bytes:
-            reason = f"entry is {len(data)} bytes, over max_message_bytes={self.max_message_bytes}"
+            reason = f"oversized_message: entry is {len(data)} bytes, over max_message_bytes={self.max_message_bytes}"
         else:
             try:
                 headers = {_s(k): bytes(v).decode("utf-8") for k, v in fields.items() if _s(k) != DATA_FIELD}
             except UnicodeDecodeError:
-                reason = "a header is not valid UTF-8"
+                reason = "bad_header: a header is not valid UTF-8"
         if reason is not None:
             await self._dead_letter_raw(
                 stream, msg_id, group, deliveries, data or b"", _decode_headers_lenient(fields), reason

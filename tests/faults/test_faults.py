@@ -126,6 +126,12 @@ def test_sigstop_past_reclaim_then_sigcont_counts_once(tmp_path: Path, tiny_mode
     replica = subprocess.Popen([sys.executable, "-m", "services.reward", "--config", str(path)],
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        state_file = tmp_path / "replica" / "services" / "reward.json"
+        deadline = time.monotonic() + 90
+        while not (state_file.exists() and json.loads(state_file.read_text()).get("state") == "ready"):
+            assert replica.poll() is None, "the second reward replica exited"
+            assert time.monotonic() < deadline, "the second reward replica never became ready"
+            time.sleep(0.2)
         victim = run.fleet.procs["reward"].proc.pid
 
         def stall() -> None:
@@ -135,8 +141,7 @@ def test_sigstop_past_reclaim_then_sigcont_counts_once(tmp_path: Path, tiny_mode
 
         run.fault("SIGSTOP reward past reclaim, SIGCONT", stall)
         run.finish()
-        state = json.loads((tmp_path / "replica" / "services" / "reward.json").read_text())
-        assert state["pid"] == replica.pid
+        assert json.loads(state_file.read_text())["pid"] == replica.pid
     finally:
         replica.terminate()
         replica.wait(timeout=30)
@@ -268,9 +273,11 @@ def test_bad_messages_are_dead_lettered_with_named_reasons(tmp_path: Path, tiny_
         future = pb.PromptBatch(schema_version=99, batch_id="b999996")
         r.xadd(_stream(cfg, "prompts"), {"data": future.SerializeToString(), "kind": "prompts",
                                           "batch_id": "b999996"})
-        nan = pb.ScoreBatch(schema_version=1, batch_id="b999995:nan", stage="reward", task_ids=["t999995-0"])
-        nan.rewards.dtype, nan.rewards.shape[:] = "float32", [1]
-        nan.rewards.data = b"\x00\x00\xc0\x7f"  # float32 NaN
+        rows = cfg.batch.prompts_per_message * cfg.algo.group_size
+        nan = pb.ScoreBatch(schema_version=1, batch_id="b999995:nan", stage="reward",
+                            task_ids=[f"t{999995 + i // 2}-{i % 2}" for i in range(rows)])
+        nan.rewards.dtype, nan.rewards.shape[:] = "float32", [rows]
+        nan.rewards.data = b"\x00\x00\xc0\x7f" * rows  # float32 NaN
         r.xadd(_stream(cfg, "scores"), {"data": nan.SerializeToString(), "kind": "score", "batch_id": "b999995:nan"})
 
     run.fault("malformed, oversized, wrong shape, schema, NaN score", inject)
