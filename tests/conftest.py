@@ -2,10 +2,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-
-from typing import Any
 
 from services.core.config import load_config
 from services.core.entry import quiet_torch

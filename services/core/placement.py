@@ -39,8 +39,8 @@ from services.core.config import DeviceGroup, Endpoint
 __all__ = [
     "Gpu",
     "Inventory",
-    "Plan",
     "PlacementError",
+    "Plan",
     "arch_family",
     "discover_gpus",
     "load_inventory",
@@ -208,9 +208,11 @@ def discover_gpus(nvml: Any = None) -> Inventory:
     says why. `nvml` is the pynvml module (tests pass a fake)."""
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
+
+            nvml = pynvml
         except ImportError:
-            return Inventory(source="nvml", reason="nvidia-ml-py is not installed (pip install 'rlfleet[gpu]')")
+            return Inventory(source="nvml", reason="nvidia-ml-py is not installed: pip install 'rlfleet[gpu]'")
     try:
         nvml.nvmlInit()
     except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, NoPermission...
@@ -290,8 +292,10 @@ class Plan:
 
     # -- output --------------------------------------------------------------------------------------
     def env_lines(self, header: str | None = None) -> list[str]:
-        """A docker-compose env file: RLFLEET_<SERVICE>_GPUS (NVML indices for device_ids),
-        RLFLEET_<SERVICE>_CUDA_VISIBLE_DEVICES (for host processes) and RLFLEET_<SERVICE>_GPU_COUNT."""
+        """A docker-compose env file: RLFLEET_<SERVICE>_GPUS (NVML indices for docker's device_ids;
+        "none" for a service without a group, which the NVIDIA container runtime reads as no GPU),
+        RLFLEET_<SERVICE>_GPU_COUNT and RLFLEET_<SERVICE>_CUDA_VISIBLE_DEVICES (for host processes;
+        "" hides every GPU)."""
         lines = [f"# {header}"] if header else []
         lines.append("# rlfleet plan: GPU placement per service. Services without a device group get no GPU.")
         lines.append("CUDA_DEVICE_ORDER=PCI_BUS_ID")
@@ -299,7 +303,7 @@ class Plan:
             key = svc.upper()
             group = self.service_groups[svc]
             lines.append(f"# {svc}: " + (f"group '{group}'" if group else "no device group (CPU)"))
-            lines.append(f"RLFLEET_{key}_GPUS={self.gpu_ids(svc)}")
+            lines.append(f"RLFLEET_{key}_GPUS={self.gpu_ids(svc) or 'none'}")
             lines.append(f"RLFLEET_{key}_GPU_COUNT={len(self.gpus_for(svc))}")
             lines.append(f"RLFLEET_{key}_CUDA_VISIBLE_DEVICES={self.cuda_visible_devices(svc)}")
         return lines
@@ -330,6 +334,7 @@ class Plan:
         out = [f"GPU inventory ({self.inventory.source}): "
                + (", ".join(g.describe() for g in self.inventory.gpus) or f"none ({self.inventory.reason})"),
                fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+        out[1:3] = [line.rstrip() for line in out[1:3]]
         out += [fmt.format(*r).rstrip() for r in rows]
         out.append("")
         for svc in sorted(self.service_groups):
@@ -505,17 +510,22 @@ def resolve(devices: Mapping[str, DeviceGroup], services: Mapping[str, Endpoint]
             miss = bool(g.prefer_arch) and not gpu.matches_arch(g.prefer_arch or "")
             cost[(name, gpu.index)] = _MISS_PREFERENCE * miss + weight[name] * gpu.index
     slots: list[str] = []
+    previous: dict[int, int] = {}
     for name in requests:
         slots.extend([name] * (devices[name].count or 0))
         got = _min_cost_assignment(slots, eligible, cost)
         if got is None:
             g = devices[name]
             cons = _constraints(g)
-            others = [o for o in requests[: requests.index(name)]]
+            taken_by = {o: sorted(gi for pos, gi in previous.items() if slots[pos] == o)
+                        for o in requests[: requests.index(name)]}
+            left = len(eligible[name] - set(previous.values()))
+            others = [f"{o}: {_ids_text(x.index for x in pinned)}" for o, pinned in placed.items()]
+            others += [f"{o}: {_ids_text(ids)}" for o, ids in taken_by.items()]
             raise PlacementError(
-                f"device group '{name}': count {g.count} needs {g.count} GPUs{' with ' + cons if cons else ''};"
-                f" not enough left after other groups ({', '.join(repr(o) for o in others) or 'explicit ids'}"
-                f" need the same GPUs; eligible: {_ids_text(sorted(eligible[name]))})")
+                f"device group '{name}': count {g.count} needs {g.count} GPU{'s' if g.count != 1 else ''}"
+                f"{' with ' + cons if cons else ''}; {left} left after other groups ({', '.join(others)})")
+        previous = got
     assignment = _min_cost_assignment(slots, eligible, cost) if slots else {}
     assert assignment is not None
     for name in requests:
@@ -536,5 +546,6 @@ def resolve(devices: Mapping[str, DeviceGroup], services: Mapping[str, Endpoint]
         groups[name] = GroupPlacement(name, gpus, users[name], met)
         for svc in users[name]:
             if replicas.get(svc, 1) > 1:
-                notes.append(f"{svc}: {replicas[svc]} replicas share group '{name}' (GPUs {_ids_text(x.index for x in gpus)})")
+                notes.append(f"{svc}: {replicas[svc]} replicas share group '{name}'"
+                             f" (GPUs {_ids_text(x.index for x in gpus)})")
     return Plan(groups, service_groups, replicas, inventory, unused, tuple(notes))
