@@ -81,8 +81,15 @@ def start_redis(
     """Start redis-server with AOF on and noeviction, as DESIGN.md requires, and wait for PING."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host)
-    args = [
-        redis_server_binary(),
+    args = [redis_server_binary()]
+    if password:
+        # Through a 0600 config file, not the command line, where `ps` would show it to everyone.
+        conf = data_dir / "auth.conf"
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)
+        conf.write_text(f"requirepass {password}\n")
+        args.append(str(conf))
+    args += [
         "--bind", host,
         "--port", str(port),
         "--dir", str(data_dir),
@@ -93,8 +100,6 @@ def start_redis(
         "--protected-mode", "yes" if password is None and host not in ("127.0.0.1", "::1") else "no",
         "--logfile", str(data_dir / log_name),
     ]
-    if password:
-        args += ["--requirepass", password]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     rp = RedisProcess(proc=proc, port=port, dir=data_dir, host=host, password=password)
     deadline = time.monotonic() + timeout_s

@@ -93,10 +93,28 @@ def test_ppo_fleet_metrics_move_during_a_run(tmp_path: Path, tiny_model: Path, f
     assert events.count("trained") == 6
 
 
-def test_grpo_without_kl_starts_no_critic_and_no_reference(tmp_path: Path, tiny_model: Path, fleet_factory) -> None:
-    cfg = tiny_config(tmp_path / "grpo", tiny_model, run={"max_steps": 2}, algo={"kl_coef": 0.0})
+def test_grpo_without_kl_starts_no_critic_and_no_reference(
+    tmp_path: Path, tiny_model: Path, fleet_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also the secured path: a shared token on every gRPC call and admin route, and a Redis password."""
+    monkeypatch.setenv("RLF_TEST_TOKEN", "s3cret-token")
+    monkeypatch.setenv("RLF_TEST_REDIS_PW", "s3cret-redis")
+    cfg = tiny_config(tmp_path / "grpo", tiny_model, run={"max_steps": 2}, algo={"kl_coef": 0.0},
+                      security={"token_env": "RLF_TEST_TOKEN"}, redis={"password_env": "RLF_TEST_REDIS_PW"})
     fleet = fleet_factory(cfg)
     fleet.start(ready_timeout_s=180)
     assert set(fleet.procs) == {"controller", "actor", "reward"}
+    assert fleet.cfg is not None and fleet.redis is not None
+    import redis as redis_lib
+
+    with pytest.raises(redis_lib.AuthenticationError):
+        redis_lib.Redis(port=fleet.redis.port).ping()
+    port = fleet.cfg.endpoint("actor").http_port
+    assert httpx.post(f"http://127.0.0.1:{port}/v1/drain", timeout=2).status_code == 401
+    wrong = {"authorization": "Bearer nope"}
+    assert httpx.post(f"http://127.0.0.1:{port}/v1/drain", headers=wrong, timeout=2).status_code == 401
+    for name in ("s3cret-token", "s3cret-redis"):
+        for log in (tmp_path / "grpo" / "logs").glob("*.log"):
+            assert name not in log.read_text(), f"a secret leaked into {log.name}"
     assert fleet.supervise(timeout_s=240) == 0
     assert len(_rows(tmp_path / "grpo")) == 2
