@@ -7,7 +7,7 @@ CONFIG ?= examples/tiny-cpu.yaml
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup redis run run-local test test-fast proto proto-check lint bench clean
+.PHONY: setup redis run run-local test proto proto-check lint bench images test-deploy clean
 
 setup: $(BIN)/rlfleet redis
 
@@ -47,6 +47,12 @@ lint: $(BIN)/rlfleet
 
 bench: setup
 	$(BIN)/python -m bench.data_plane
+
+images:
+	scripts/docker_build.sh
+
+test-deploy: setup
+	$(BIN)/pytest -q tests/deploy $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

@@ -1121,11 +1121,16 @@ def audit(
 
 
 def _journal_dir(run_dir: Path) -> Path:
-    """RUN_DIR/journal unless the run's fleet.yaml moved it (journal.dir)."""
+    """RUN_DIR/journal unless fleet.yaml moved it; a journal inside the run dir is found relative to
+    `run_dir`, so a run audited through another mount point (a container volume) still finds it."""
     try:
-        return load_config(run_dir / "fleet.yaml").journal_dir
+        cfg = load_config(run_dir / "fleet.yaml")
     except (ConfigError, OSError):
         return run_dir / "journal"
+    try:
+        return run_dir / cfg.journal_dir.relative_to(cfg.run_dir)
+    except ValueError:
+        return cfg.journal_dir
 
 
 def _open_journal(path: Path, lim: Limits) -> Journal:

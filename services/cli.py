@@ -152,6 +152,13 @@ def _cmd_swap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from services.plan import plan_main
+
+    return plan_main(Path(args.config), Path(args.out) if args.out else None, args.json,
+                     Path(args.inventory) if args.inventory else None)
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
     from services.audit import audit_main
 
@@ -191,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--run-dir", default=None)
     sw.add_argument("--timeout", type=float, default=180.0)
     sw.set_defaults(fn=_cmd_swap)
+
+    pl = sub.add_parser("plan", help="place device groups on this host's GPUs; write the env file docker compose reads")
+    pl.add_argument("--config", default="examples/tiny-cpu.yaml", help="run config (YAML)")
+    pl.add_argument("--out", default=None, help="write the env file here (docker compose --env-file FILE)")
+    pl.add_argument("--inventory", default=None,
+                    help="GPUs from a YAML/JSON file instead of NVML (plan for another host)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(fn=_cmd_plan)
 
     a = sub.add_parser("audit", help="check a run against the five invariants of the task journal")
     a.add_argument("--run-dir", required=True)

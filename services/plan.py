@@ -1,0 +1,97 @@
+"""`rlfleet plan`: resolve a run config's device groups against this host's GPUs.
+
+    rlfleet plan --config CONFIG [--inventory FILE] [--out ENV_FILE] [--json]
+
+prints which GPUs each device group gets and which services run on them, and with `--out` writes
+the env file docker compose reads (`docker compose --env-file ENV_FILE up`):
+
+    RLFLEET_<SERVICE>_GPUS                  NVML indices for deploy.resources.reservations.devices
+                                            ("none" for a service without a device group)
+    RLFLEET_<SERVICE>_GPU_COUNT             how many
+    RLFLEET_<SERVICE>_CUDA_VISIBLE_DEVICES  for running the service as a host process
+    CUDA_DEVICE_ORDER=PCI_BUS_ID            so host processes number GPUs as NVML does
+    COMPOSE_PROFILES                        the optional stages this algorithm runs (critic, reference)
+    RLFLEET_CONFIG                          the run config (absolute path), mounted by compose
+
+GPUs come from NVML on this host, or from `--inventory FILE` (YAML/JSON; the `inventory` object of
+`--json` output is one) to plan for another host. Exit status: 0 planned, 1 placement refused
+(the message names the device group and the field), 2 invalid config or inventory.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+from services.core.config import SERVICE_NAMES, ConfigError, RunConfig, load_config
+from services.core.placement import Inventory, PlacementError, Plan, discover_gpus, load_inventory, resolve
+
+OPTIONAL_STAGES = ("reference", "critic")
+
+
+def compose_profiles(cfg: RunConfig) -> list[str]:
+    """docker-compose.yml profiles of the optional stages this config runs."""
+    needed = set(cfg.services_needed())
+    return [s for s in OPTIONAL_STAGES if s in needed]
+
+
+def make_plan(cfg: RunConfig, inventory: Inventory) -> Plan:
+    """Place the device groups of the services this config starts (a stage the algorithm does not
+    need is not started, so its group takes no GPU)."""
+    return resolve(cfg.devices, {n: cfg.endpoint(n) for n in cfg.services_needed()}, inventory)
+
+
+def env_file_text(cfg: RunConfig, plan: Plan, config_path: Path) -> str:
+    header = f"written by `rlfleet plan --config {config_path}` on {socket.gethostname()} at " \
+             f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}"
+    lines = plan.env_lines(header)
+    for svc in SERVICE_NAMES:
+        if svc not in plan.service_groups:
+            key = svc.upper()
+            lines += [f"# {svc}: not started by this config ({cfg.algo.name}, kl_coef {cfg.algo.kl_coef:g})",
+                      f"RLFLEET_{key}_GPUS=none", f"RLFLEET_{key}_GPU_COUNT=0", f"RLFLEET_{key}_CUDA_VISIBLE_DEVICES="]
+    lines += ["# optional stages docker compose starts for this algorithm",
+              f"COMPOSE_PROFILES={','.join(compose_profiles(cfg))}",
+              f"RLFLEET_CONFIG={config_path.resolve()}"]
+    return "\n".join(lines) + "\n"
+
+
+def plan_main(config: Path, out: Path | None, json_out: bool, inventory: Path | None) -> int:
+    try:
+        cfg = load_config(config)
+    except ConfigError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    try:
+        inv = load_inventory(inventory) if inventory is not None else discover_gpus()
+    except PlacementError as err:
+        print(f"rlfleet plan: {err}", file=sys.stderr)
+        return 2
+    try:
+        plan = make_plan(cfg, inv)
+    except PlacementError as err:
+        print(f"rlfleet plan: {err}", file=sys.stderr)
+        return 1
+    if json_out:
+        d = plan.to_dict()
+        d["config"] = str(Path(config).resolve())
+        d["services_needed"] = list(cfg.services_needed())
+        d["compose_profiles"] = compose_profiles(cfg)
+        print(json.dumps(d, indent=2))
+    else:
+        print(plan.table())
+        skipped = [s for s in SERVICE_NAMES if s not in plan.service_groups]
+        if skipped:
+            print(f"not started by this config: {', '.join(skipped)}")
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(env_file_text(cfg, plan, Path(config)))
+        tmp.replace(out)
+        if not json_out:
+            print(f"wrote {out} (docker compose --env-file {out} ...)")
+    return 0
