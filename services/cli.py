@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.cmd == "train":
+    if args.cmd in ("train", "up"):
         from services.core.entry import quiet_torch
 
         quiet_torch()
