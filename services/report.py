@@ -44,7 +44,14 @@ def _panel(rows: list[dict[str, Any]], title: str, keys: list[str], ylabel: str)
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and r[key] == r[key]]
         if pts:
             xs, ys = zip(*pts, strict=True)
-            ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, markersize=3, label=key)
+            noisy = len(pts) >= 40
+            line = ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, markersize=3, label=key,
+                           alpha=0.35 if noisy else 1.0)
+            if noisy:
+                # Per-step values of a sampled batch are noisy; the trend is what a reader wants.
+                w = max(5, len(pts) // 15)
+                smooth = [sum(ys[max(0, i - w + 1): i + 1]) / len(ys[max(0, i - w + 1): i + 1]) for i in range(len(ys))]
+                ax.plot(xs, smooth, color=line[0].get_color(), label=f"{key} ({w}-step mean)")
             drawn = True
     if not drawn:
         plt.close(fig)
