@@ -336,7 +336,8 @@ class Controller:
                 except grpc.aio.AioRpcError:
                     continue  # away (restarting); Train retries cover it
                 v = int(state.version)
-                if self.served.get(name) != v:
+                # A replacement that is still catching up (not ready) is not serving its version.
+                if state.state == "ready" and self.served.get(name) != v:
                     self.served[name] = v
                     self.events.emit("version_served", service=name, version=v)
                 ckpt = int(state.gauges.get("checkpoint_version", 0))

@@ -73,11 +73,11 @@ class StreamWorker:
     async def run(self) -> None:
         backoff = 0.2
         while not self._stop.is_set():
-            if self.gate is not None:
-                await self.gate()
-                if self._stop.is_set():
-                    break
             try:
+                if self.gate is not None:
+                    await self.gate()
+                    if self._stop.is_set():
+                        break
                 msgs = await self.bus.read(self.stream, self.group, self.consumer, self.count, self.block_ms)
                 self.redis_ok = True
                 backoff = 0.2

@@ -30,7 +30,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -110,11 +110,13 @@ class GenerationEngine(Protocol):
 
 
 def _vllm_status() -> str | None:
-    """None when the vLLM backend can run here, else why not."""
+    """None when the vLLM backend can run here (vllm importable and a CUDA GPU), else why not."""
     if importlib.util.find_spec("vllm") is None:
         return "generation engine 'vllm' needs the 'vllm' package, which is not importable here" \
                " (install it with: pip install 'rlfleet[vllm]', or use engine: transformers)"
-    return "the vLLM backend is not implemented yet (use engine: transformers)"
+    from services.models.vllm_engine import vllm_unavailable_reason
+
+    return vllm_unavailable_reason()
 
 
 def available_engines() -> dict[str, str | None]:
@@ -129,14 +131,22 @@ def make_engine(
     dtype: str = "float32",
     device: str = "cpu",
     micro_batch: int = 0,
+    **options: Any,
 ) -> GenerationEngine:
+    """`options` go to the backend (vLLM: gpu_memory_utilization, enforce_eager, max_model_len, ...)."""
     if name == "transformers":
         from services.models.hf_engine import TransformersEngine
 
+        if options:
+            raise EngineError(f"engine 'transformers' takes no options; got {', '.join(sorted(options))}")
         return TransformersEngine.from_path(model_path, dtype=dtype, device=device, micro_batch=micro_batch)
     if name == "vllm":
         reason = _vllm_status()
-        raise EngineUnavailable(reason or "vllm backend unavailable")
+        if reason is not None:
+            raise EngineUnavailable(reason)
+        from services.models.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_path(model_path, dtype=dtype, device=device, micro_batch=micro_batch, **options)
     raise EngineError(f"unknown generation engine {name!r}; known: {', '.join(ENGINE_NAMES)}")
 
 

@@ -170,6 +170,8 @@ def test_redis_kill9_and_restart(empty: bool, tmp_path: Path, tiny_model: Path, 
     name = "redis restarted empty" if empty else "redis kill -9, AOF restart"
     run.fault(name, _restart_redis(run.fleet, empty))
     run.finish()
+    restarted = {n: sp.restarts for n, sp in run.fleet.procs.items() if sp.restarts}
+    assert not restarted, f"services crashed on a Redis outage instead of waiting: {restarted}"
 
 
 def test_hot_swap_critic_under_load(tmp_path: Path, tiny_model: Path, run_factory) -> None:
