@@ -40,6 +40,7 @@ class ServiceProc:
     log_path: Path
     http_port: int
     restarts: int = 0
+    replica: int = 0  # > 0: an extra replica of a stateless scorer, on ports it picks itself
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -92,17 +93,20 @@ class Fleet:
         self.cfg = cfg
         return cfg
 
-    def _spawn(self, name: ServiceName) -> ServiceProc:
+    def _spawn(self, name: ServiceName, replica: int = 0) -> ServiceProc:
         assert self.cfg is not None
-        log_path = self.run_dir / "logs" / f"{name}.log"
+        key = f"{name}-{replica}" if replica else name
+        log_path = self.run_dir / "logs" / f"{key}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        args = [self.python, "-m", f"services.{name}", "--config", str(self.config_path)]
+        if replica:
+            args += ["--replica", str(replica)]
         with log_path.open("ab") as out:
             proc = subprocess.Popen(
-                [self.python, "-m", f"services.{name}", "--config", str(self.config_path)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True,  # Ctrl-C reaches the launcher only; it stops services in order
             )
-        return ServiceProc(name, proc, log_path, self.cfg.endpoint(name).http_port)
+        return ServiceProc(name, proc, log_path, self.cfg.endpoint(name).http_port, replica=replica)
 
     def start(self, ready_timeout_s: float = 180.0) -> None:
         cfg = self.cfg or self.prepare()
@@ -110,10 +114,19 @@ class Fleet:
         order = [n for n in cfg.services_needed() if n != "controller"] + ["controller"]
         for name in order:
             self.procs[name] = self._spawn(name)  # type: ignore[arg-type]
+            for k in range(1, cfg.endpoint(name).replicas):  # type: ignore[arg-type]
+                self.procs[f"{name}-{k}"] = self._spawn(name, replica=k)  # type: ignore[arg-type]
         self.wait_ready(ready_timeout_s)
 
     def http(self, name: str, path: str, timeout: float = 2.0) -> httpx.Response:
         assert self.cfg is not None
+        sp = self.procs.get(name)
+        if sp is not None and sp.replica:
+            # Replicas pick free ports; their state file says which.
+            info = read_service_files(self.run_dir).get(name) or {}
+            if info.get("pid") != sp.proc.pid or not info.get("http_port"):
+                raise httpx.ConnectError(f"{name} has not published its ports yet")
+            return httpx.get(f"http://{info['host']}:{info['http_port']}{path}", timeout=timeout)
         ep = self.cfg.endpoint(name)  # type: ignore[arg-type]
         return httpx.get(f"http://{ep.host}:{ep.http_port}{path}", timeout=timeout)
 
@@ -161,7 +174,7 @@ class Fleet:
                 if sp.proc.returncode == 0:
                     # Drained on purpose (`rlfleet swap`, a rolling update): start the replacement.
                     log.info("service drained; starting its replacement", extra={"service": name})
-                    new = self._spawn(sp.name)
+                    new = self._spawn(sp.name, sp.replica)
                     new.restarts = sp.restarts
                     self.procs[name] = new
                     continue
@@ -170,7 +183,7 @@ class Fleet:
                                      f" last exit code {sp.proc.returncode}; see {sp.log_path}:\n{tail(sp.log_path)}")
                 log.warning("service died; restarting",
                             extra={"service": name, "code": sp.proc.returncode, "restarts": sp.restarts + 1})
-                new = self._spawn(sp.name)
+                new = self._spawn(sp.name, sp.replica)
                 new.restarts = sp.restarts + 1
                 self.procs[name] = new
             if on_tick is not None:

@@ -259,6 +259,12 @@ class RunConfig(_Strict):
                     f"services.{name}.device_group: device group '{ep.device_group}' not found in devices"
                     f" (known: {known})"
                 )
+        for name, ep in self.services.items():
+            if ep.replicas > 1 and name not in ("reward", "reference"):
+                raise ValueError(
+                    f"services.{name}.replicas: only the stateless scorers (reward, reference) run as several"
+                    f" replicas, got {ep.replicas}"
+                )
         if self.batch.prompts_per_step % self.batch.prompts_per_message:
             raise ValueError(
                 f"batch.prompts_per_step ({self.batch.prompts_per_step}) must be a multiple of"

@@ -28,6 +28,8 @@ def service_main(name: str, serve: Callable[[RunConfig], None]) -> None:
     p = argparse.ArgumentParser(prog=f"python -m services.{name}")
     p.add_argument("--config", required=True, help="run config (YAML); `rlfleet up` writes RUN_DIR/fleet.yaml")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--replica", type=int, default=0,
+                   help="run as extra replica K of a stateless scorer: same consumer group, free ports")
     args = p.parse_args()
     setup_logging(name, args.log_level)
     quiet_torch()
@@ -40,4 +42,8 @@ def service_main(name: str, serve: Callable[[RunConfig], None]) -> None:
         logging.getLogger("rlfleet").error("redis.url is not set; start services with `rlfleet up`, "
                                            "or set redis.url in the config")
         sys.exit(2)
+    if args.replica:
+        ep = cfg.endpoint(name).model_copy(update={"grpc_port": 0, "http_port": 0})  # type: ignore[arg-type]
+        cfg = cfg.model_copy(update={"services": {**cfg.services, name: ep}})
+        os.environ["RLFLEET_INSTANCE"] = f"{name}-{args.replica}"
     serve(cfg)

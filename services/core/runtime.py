@@ -206,6 +206,8 @@ class ServiceRuntime:
     @classmethod
     def from_config(cls, cfg: RunConfig, service: ServiceName, **kwargs: Any) -> ServiceRuntime:
         """Endpoint, run dir, message size limit and token from the run config."""
+        # A replica (`--replica K`) shares its service's consumer group but not its identity.
+        kwargs.setdefault("instance", os.environ.get("RLFLEET_INSTANCE") or None)
         return cls(
             service,
             endpoint=cfg.endpoint(service),

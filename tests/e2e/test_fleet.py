@@ -93,17 +93,19 @@ def test_ppo_fleet_metrics_move_during_a_run(tmp_path: Path, tiny_model: Path, f
     assert events.count("trained") == 6
 
 
-def test_grpo_without_kl_starts_no_critic_and_no_reference(
+def test_grpo_without_kl_starts_no_critic_and_no_reference_and_scales_reward(
     tmp_path: Path, tiny_model: Path, fleet_factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Also the secured path: a shared token on every gRPC call and admin route, and a Redis password."""
     monkeypatch.setenv("RLF_TEST_TOKEN", "s3cret-token")
     monkeypatch.setenv("RLF_TEST_REDIS_PW", "s3cret-redis")
     cfg = tiny_config(tmp_path / "grpo", tiny_model, run={"max_steps": 2}, algo={"kl_coef": 0.0},
-                      security={"token_env": "RLF_TEST_TOKEN"}, redis={"password_env": "RLF_TEST_REDIS_PW"})
+                      security={"token_env": "RLF_TEST_TOKEN"}, redis={"password_env": "RLF_TEST_REDIS_PW"},
+                      services={"reward": {"replicas": 2}})
     fleet = fleet_factory(cfg)
     fleet.start(ready_timeout_s=180)
-    assert set(fleet.procs) == {"controller", "actor", "reward"}
+    assert set(fleet.procs) == {"controller", "actor", "reward", "reward-1"}, "two reward replicas, one group"
+    assert fleet.http("reward-1", "/readyz").status_code == 200
     assert fleet.cfg is not None and fleet.redis is not None
     import redis as redis_lib
 

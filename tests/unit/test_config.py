@@ -82,3 +82,9 @@ def test_secrets_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("RLF_TOKEN", "t0k")
     monkeypatch.setenv("RLF_PW", "pw")
     assert cfg.token() == "t0k" and cfg.redis_password() == "pw"
+
+
+def test_only_stateless_scorers_take_replicas() -> None:
+    assert parse_config({"services": {"reward": {"replicas": 3}}}).endpoint("reward").replicas == 3
+    with pytest.raises(ConfigError, match=r"services\.critic\.replicas"):
+        parse_config({"services": {"critic": {"replicas": 2}}})
