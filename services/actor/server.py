@@ -51,7 +51,7 @@ class Actor:
         self.vocab_size = len(self.tokenizer)
         self.policy = load_causal_lm(path, dtype=cfg.models.policy.dtype)
         self.engine = make_engine(cfg.generation.engine, path, dtype=cfg.models.policy.dtype,
-                                  micro_batch=cfg.generation.micro_batch)
+                                  **cfg.generation.engine_kwargs())
         self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed)
         self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt)
         if self.t.restore():

@@ -133,8 +133,25 @@ class AlgoSection(_Strict):
         return self.kl_coef > 0
 
 
+class VLLMOptions(_Strict):
+    # The engine shares its GPU with the trainer when colocated: leave room for it.
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.35
+    enforce_eager: bool = False
+    max_model_len: Annotated[int, Field(ge=16)] | None = None
+
+    def engine_options(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"gpu_memory_utilization": self.gpu_memory_utilization,
+                               "enforce_eager": self.enforce_eager}
+        if self.max_model_len is not None:
+            out["max_model_len"] = self.max_model_len
+        return out
+
+
 class GenerationSection(_Strict):
     engine: Literal["transformers", "vllm"] = "transformers"
+    # Device of the generation engine ("cuda" for vLLM; the GPU is chosen by CUDA_VISIBLE_DEVICES).
+    device: str = "cpu"
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
     max_new_tokens: Annotated[int, Field(ge=1, le=32768)] = 8
     temperature: Annotated[float, Field(gt=0, le=10)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
@@ -143,6 +160,13 @@ class GenerationSection(_Strict):
     stop_token_ids: list[int] = Field(default_factory=list)
     # Sequences per forward pass in the engine; 0 means the whole prompt batch at once.
     micro_batch: Annotated[int, Field(ge=0)] = 0
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `services.models.engine.make_engine`."""
+        kw: dict[str, Any] = {"device": self.device, "micro_batch": self.micro_batch}
+        if self.engine == "vllm":
+            kw.update(self.vllm.engine_options())
+        return kw
 
 
 class BatchSection(_Strict):
