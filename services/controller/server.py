@@ -82,9 +82,10 @@ class Controller:
         # Prompt batch id -> monotonic time of its last progress (admit, rollout, score): the
         # watchdog re-publishes batches that stall, whatever lost their messages.
         self.progress: dict[str, float] = {}
-        # Journal writes that change the number of tasks in flight, together with their event, so
-        # the event log never shows an admission ahead of the step that made room for it.
-        self.flight_lock = asyncio.Lock()
+        # Task state changes (admit, generated/scored, trained, dead) and their events happen one at
+        # a time: a dead letter racing its own rollout, or an admission racing the step that made
+        # room for it, must never interleave.
+        self.state_lock = asyncio.Lock()
 
     # -- runtime callbacks ---------------------------------------------------------------------------
     async def readiness(self) -> list[str]:
@@ -164,7 +165,7 @@ class Controller:
         budget = (c.flow.max_staleness + 1) * c.samples_per_step
         needed = c.run.max_steps * c.samples_per_step
         while not self.done:
-            async with self.flight_lock:
+            async with self.state_lock:
                 first = await self._admit_once(budget, needed)
             if first is None:
                 await asyncio.sleep(0.05)
@@ -245,6 +246,10 @@ class Controller:
         """Bring the journal's task states up to what the join knows (generated once the rollout
         is in, scored once every stage is): idempotent, so it also repairs a crash between a
         result write and its state change."""
+        async with self.state_lock:
+            await self._sync_states_locked(pbid)
+
+    async def _sync_states_locked(self, pbid: str) -> None:
         rid = self.assembler.rollout_id_of(pbid)
         if rid is None:
             return
@@ -253,6 +258,11 @@ class Controller:
         ids = [t.task_id for t in self._message_tasks(self._first_of(pbid))]
         recs = [await asyncio.to_thread(self.journal.get, i) for i in ids]
         states = {r.state for r in recs if r is not None}
+        if states & {"dead", "trained"}:
+            # Its tasks already ended (a stage dead-lettered the batch): the join forgets it.
+            self.assembler.drop(pbid)
+            self.progress.pop(pbid, None)
+            return
         if "admitted" in states:
             await self.durable(self.journal.mark_generated, ids, version, rid)
             self.events.emit("generated", task_ids=ids, version=version)
@@ -382,18 +392,22 @@ class Controller:
             first = self._first_of(pbid)
         except Rejected:
             return
+        winner = self.assembler.rollout_id_of(pbid)
+        if ":" in bid and winner is not None and winner != bid:
+            return  # a duplicate rollout of this batch was rejected; the one that counts is intact
         ids = [t.task_id for t in self._message_tasks(first)]
-        recs = [await asyncio.to_thread(self.journal.get, i) for i in ids]
-        live = [r.task_id for r in recs if r is not None and not r.is_terminal]
-        if not live:
-            return
-        # A stage that rejected a rollout for good (NaN reward, wrong shape...) would reject it again.
-        async with self.flight_lock:
+        async with self.state_lock:
+            recs = [await asyncio.to_thread(self.journal.get, i) for i in ids]
+            # Scored tasks have every result they need; only unfinished ones can die of this.
+            live = [r.task_id for r in recs if r is not None and r.state in ("admitted", "generated")]
+            if not live:
+                return
+            # A stage that rejected a batch for good (NaN reward, wrong shape...) would reject it again.
             await self.durable(self.journal.mark_dead, live, reason[:500])
             for tid in live:
                 self.events.emit("dead", task_id=tid, reason=reason[:500])
-        self.assembler.drop(pbid)
-        self.progress.pop(pbid, None)
+            self.assembler.drop(pbid)
+            self.progress.pop(pbid, None)
         log.warning("tasks dead", extra={"batch_id": pbid, "tasks": len(live), "reason": reason[:200]})
 
     async def step_loop(self) -> None:
@@ -444,7 +458,7 @@ class Controller:
         results = await asyncio.gather(*calls)
         t_train = time.perf_counter()
         gen_versions = r.versions.tolist() if r.versions is not None else [r.version] * len(r)
-        async with self.flight_lock:
+        async with self.state_lock:
             await self.durable(self.journal.mark_trained, r.task_ids, step + 1, target - 1, c.flow.max_staleness)
             self.events.emit("trained", step=step + 1, task_ids=r.task_ids, version=target - 1,
                              generated_versions=gen_versions)
@@ -502,6 +516,19 @@ class Controller:
         return depths
 
     # -- crash recovery -----------------------------------------------------------------------------
+    def _backfill_metrics(self) -> None:
+        """metrics.jsonl keeps one row per step: a step committed to the journal just before a
+        crash, whose row was never written, gets a row saying so."""
+        from services.report import read_metrics
+
+        text = self.metrics_path.read_text() if self.metrics_path.exists() else ""
+        last = max((int(r.get("step", 0)) for r in read_metrics(self.metrics_path)), default=0)
+        with self.metrics_path.open("a") as f:
+            if text and not text.endswith("\n"):
+                f.write("\n")  # a row torn by the crash stays unreadable instead of gluing onto the next
+            for step in range(last + 1, self.journal.step + 1):
+                f.write(json.dumps({"step": step, "version": step, "recovered": 1.0}) + "\n")
+
     async def reconcile(self) -> None:
         """Rebuild the in-memory join from the journal and re-enqueue prompt batches whose rollout
         never arrived; scores already journaled are restored, the rest will be redelivered."""
@@ -542,6 +569,7 @@ class Controller:
         await self.bus.ensure_groups(keys.dead, ["controller"])
         await self.bus.set_versions({n: self.version for n in self.trainable})
         await self.reconcile()
+        self._backfill_metrics()
         self.workers = [
             StreamWorker(self.bus, keys.rollouts, "controller", self.instance, self.on_rollout, self.metrics,
                          count=8),
