@@ -72,6 +72,7 @@ class Controller:
         # source of truth, whatever a crash interrupted.
         self.version = self.journal.step
         self.last: dict[str, Any] = {}
+        self.queues: dict[str, int] = {}  # stream depths at the last step, for `rlfleet status`
         self.admission_open = True
         self.done = False
         self.instance = f"controller-{os.getpid()}"
@@ -120,7 +121,7 @@ class Controller:
         return {
             "step": self.journal.step, "max_steps": self.cfg.run.max_steps, "version": self.version,
             "in_flight": self.journal.in_flight(), "admission_open": self.admission_open,
-            "done": self.done, "last": self.last,
+            "done": self.done, "last": self.last, "queues": self.queues,
         }
 
     async def on_drain(self) -> None:
@@ -513,6 +514,7 @@ class Controller:
             return {}
         for k, v in depths.items():
             self.metrics.queue_depth.labels(stream=k, group="all").set(v)
+        self.queues = depths
         return depths
 
     # -- crash recovery -----------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -84,6 +86,14 @@ def test_ppo_fleet_metrics_move_during_a_run(tmp_path: Path, tiny_model: Path, f
     for stage in ("reward", "reference", "critic"):
         assert _total(after[stage], 'rlfleet_samples_total{phase="score"') > 0, stage
     assert after["controller"]['rlfleet_policy_version{service="controller"}'] >= 2
+    status = subprocess.run([sys.executable, "-m", "services.cli", "status", "--json", "--run-dir", str(cfg.run_dir)],
+                            capture_output=True, text=True, timeout=60)
+    if fleet.procs["controller"].alive:  # the run may have ended meanwhile
+        assert status.returncode == 0, status.stderr
+        fleet_status = json.loads(status.stdout)
+        assert {"controller", "actor", "critic", "reward", "reference"} <= set(fleet_status)
+        for row in fleet_status.values():
+            assert {"pid", "host", "grpc_port", "http_port", "state"} <= set(row)
     assert _total(after["actor"], "rlfleet_stage_latency_seconds_count") > 0
     assert any(k.startswith("rlfleet_fill_ratio") for k in after["actor"])
     assert fleet.supervise(timeout_s=240) == 0
