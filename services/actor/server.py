@@ -173,12 +173,9 @@ class Actor:
         except WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
         async with self.t.lock:
-            if self.version >= req.target_version:
-                return message(pb.TrainResult, step=req.step, version=self.version, replayed=True)
-            if req.target_version != self.version + 1:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"actor at version {self.version} cannot apply a step targeting "
-                                    f"{req.target_version}: replay the missing steps first")
+            done = await self.t.gate(req.step, req.target_version, context)
+            if done is not None:
+                return done
             t0 = time.perf_counter()
             with self.metrics.time_stage("actor_train"):
                 stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step, self.version)

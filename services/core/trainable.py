@@ -11,11 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
+import grpc
 import torch
 from torch import nn
 
 from services.core.config import RunConfig
+from services.core.pb import rlfleet_pb2 as pb
+from services.core.wire import message
 from services.models.checkpoint import latest_meta, load_latest, prune, save_checkpoint
 
 log = logging.getLogger("rlfleet.trainable")
@@ -51,6 +55,19 @@ class Trainable:
         self.checkpoint_version = self.version
         prune(self.root, self.service, keep=self.cfg.checkpoint.keep)
         log.info("checkpoint written", extra={"service": self.service, "version": self.version})
+
+    async def gate(self, step: int, target_version: int, context: Any) -> pb.TrainResult | None:
+        """Train is keyed by the version it produces, which makes it idempotent: None means apply
+        it; a result means it is already in these weights (a replay); a gap aborts the call with
+        FAILED_PRECONDITION, which tells the controller to replay the missing steps first.
+        Call with `self.lock` held."""
+        if self.version >= target_version:
+            return message(pb.TrainResult, step=step, version=self.version, replayed=True)
+        if target_version != self.version + 1:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{self.service} at version {self.version} cannot apply a step targeting "
+                                f"{target_version}: replay the missing steps first")
+        return None
 
     def due(self) -> bool:
         return self.version - self.checkpoint_version >= self.cfg.checkpoint.every

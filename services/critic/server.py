@@ -46,13 +46,9 @@ class Critic:
         except WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
         async with self.t.lock:
-            if self.version >= req.target_version:
-                # A replay after a controller restart: the step is already in these weights.
-                return message(pb.TrainResult, step=req.step, version=self.version, replayed=True)
-            if req.target_version != self.version + 1:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"critic at version {self.version} cannot apply a step targeting "
-                                    f"{req.target_version}: replay the missing steps first")
+            done = await self.t.gate(req.step, req.target_version, context)
+            if done is not None:
+                return done
             t0 = time.perf_counter()
             m = self.svc.metrics
             with m.time_stage("critic_train"):
