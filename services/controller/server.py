@@ -372,6 +372,13 @@ class Controller:
                     continue
                 self.progress[pbid] = now
                 raw = await asyncio.to_thread(self.journal.get_result, pbid, ROLLOUT)
+                # A batch still queued behind a slow consumer is not lost: publishing it again would
+                # only deepen that queue. Lost messages (Redis restarted empty) leave no backlog.
+                stream, groups = ((self.bus.keys.prompts, ["actor"]) if raw is None
+                                  else (self.bus.keys.rollouts, self.cfg.stages()))
+                with contextlib.suppress(BusUnavailable):
+                    if await self.bus.backlog(stream, groups) > 0:
+                        continue
                 log.warning("batch stalled; publishing again", extra={"batch_id": pbid, "has_rollout": raw is not None})
                 if raw is None:
                     await self._retry_bus(lambda f=self._first_of(pbid): self._publish_prompts(f))
@@ -479,7 +486,8 @@ class Controller:
         if "reward_mean" not in stats and r.rewards is not None:
             stats["reward_mean"] = float(r.rewards.float().mean())
         row = {
-            "step": step + 1, "version": self.version, **stats, "tokens": tokens, "samples": len(r),
+            "step": step + 1, "time": time.time(), "version": self.version, **stats, "tokens": tokens,
+            "samples": len(r),
             "tokens_per_s": tokens / elapsed, "samples_per_s": len(r) / elapsed,
             "advantage_s": t_adv - t0, "train_s": t_train - t_adv, "step_s": elapsed, "staleness": staleness,
             **{f"queue_{k}": v for k, v in depths.items()},

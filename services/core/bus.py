@@ -527,6 +527,12 @@ class Bus:
         backlogs = await self._backlogs(stream, groups)
         return max(lag + pending for lag, pending in backlogs.values()) / capacity
 
+    async def backlog(self, stream: str, groups: Sequence[str]) -> int:
+        """Entries some of `groups` has not yet acknowledged (the largest lag + pending)."""
+        if not groups:
+            return 0
+        return max(lag + pending for lag, pending in (await self._backlogs(stream, groups)).values())
+
     async def _backlogs(self, stream: str, groups: Sequence[str]) -> dict[str, tuple[int, int]]:
         infos = await self._group_infos(stream)
         out: dict[str, tuple[int, int]] = {}
