@@ -94,11 +94,12 @@ def run_local(
     roles = prepare(cfg)
     task, tok = roles.task, roles.tokenizer
     dtype = cfg.models.policy.dtype
-    policy = load_causal_lm(roles.policy_path, dtype=dtype)
+    policy = load_causal_lm(roles.policy_path, dtype=dtype, device=cfg.endpoint("actor").device)
     engine = make_engine(cfg.generation.engine, roles.policy_path, dtype=dtype, **cfg.generation.engine_kwargs())
     reward = RewardScorer(task, tok, model_path=reward_model_path(cfg))
     reference = (
-        ReferenceScorer(load_causal_lm(roles.policy_path, dtype=dtype), cfg.generation.temperature)
+        ReferenceScorer(load_causal_lm(roles.policy_path, dtype=dtype, device=cfg.endpoint("reference").device),
+                        cfg.generation.temperature, micro_batch=cfg.generation.micro_batch)
         if cfg.algo.needs_reference else None
     )
     trainer = PolicyTrainer(policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed)
@@ -106,7 +107,9 @@ def run_local(
     if cfg.algo.needs_critic:
         from services.models.critic import ValueModel
 
-        critic = ValueModel.from_policy(critic_path(cfg, roles.policy_path))
+        spec = cfg.models.critic or cfg.models.policy
+        critic = ValueModel.from_policy(critic_path(cfg, roles.policy_path), dtype=spec.dtype,
+                                        device=cfg.endpoint("critic").device)
         critic_trainer = ValueTrainer(critic, cfg.algo, seed=cfg.run.seed)
 
     metrics_path = run_dir / "metrics.jsonl"
@@ -128,8 +131,9 @@ def run_local(
                 part.ref_logprobs = reference.score(part)
             if critic is not None:
                 with torch.no_grad():
-                    part.values = critic.values(part.prompt_ids, part.prompt_mask, part.response_ids,
-                                                part.response_mask)
+                    on = part.to(next(critic.parameters()).device)
+                    part.values = critic.values(on.prompt_ids, on.prompt_mask, on.response_ids,
+                                                on.response_mask).cpu()
         r = rb.concat(parts, pad_id=tok.pad_token_id)  # type: ignore[attr-defined]
         t_score = time.perf_counter()
         stats = compute_advantages(r, cfg.algo)

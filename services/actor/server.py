@@ -49,7 +49,7 @@ class Actor:
         path = Path(cfg.models.policy.path)
         self.tokenizer = load_tokenizer(path)
         self.vocab_size = len(self.tokenizer)
-        self.policy = load_causal_lm(path, dtype=cfg.models.policy.dtype)
+        self.policy = load_causal_lm(path, dtype=cfg.models.policy.dtype, device=cfg.endpoint("actor").device)
         self.engine = make_engine(cfg.generation.engine, path, dtype=cfg.models.policy.dtype,
                                   **cfg.generation.engine_kwargs())
         self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed)

@@ -7,6 +7,7 @@ Every service, the CLI and the local loop read the same `RunConfig`. Unknown key
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -36,7 +37,7 @@ class RunSection(_Strict):
 
 
 class TaskSection(_Strict):
-    name: Literal["arithmetic", "sentiment"] = "arithmetic"
+    name: Literal["arithmetic", "sentiment", "synthetic"] = "arithmetic"
     # Task-specific knobs, validated by the task itself (see services.tasks).
     params: dict[str, Any] = Field(default_factory=dict)
     # A `module:function` reward overriding the task's own rule-based reward.
@@ -110,6 +111,9 @@ class AlgoSection(_Strict):
     entropy_coef: Annotated[float, Field(ge=0)] = 0.0
     ppo_epochs: Annotated[int, Field(ge=1)] = 1
     minibatch_size: Annotated[int, Field(ge=1)] = 32
+    # Sequences per forward/backward inside a minibatch (gradients accumulate over them, one
+    # optimizer step per minibatch); 0 means the whole minibatch at once.
+    micro_batch_size: Annotated[int, Field(ge=0)] = 0
     lr: Annotated[float, Field(gt=0)] = 1e-4
     critic_lr: Annotated[float, Field(gt=0)] = 1e-3
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
@@ -198,6 +202,16 @@ class Endpoint(_Strict):
     http_port: Annotated[int, Field(ge=0, le=65535)] = 0
     device_group: str | None = None
     replicas: Annotated[int, Field(ge=1, le=64)] = 1
+    # Torch device of this service's models (trainer, scorer): "cpu", "cuda" or "cuda:N". The GPU
+    # behind "cuda" is the first of the device group's, which sets CUDA_VISIBLE_DEVICES.
+    device: str = "cpu"
+
+    @field_validator("device")
+    @classmethod
+    def _torch_device(cls, v: str) -> str:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", v):
+            raise ValueError(f"must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+        return v
 
 
 def _default_services() -> dict[ServiceName, Endpoint]:

@@ -25,7 +25,9 @@ class Critic:
     def __init__(self, cfg: RunConfig) -> None:
         assert cfg.models.policy.path is not None, "the launcher resolves models.policy.path"
         self.cfg = cfg
-        self.model = ValueModel.from_policy(critic_path(cfg, cfg.models.policy.path))  # type: ignore[arg-type]
+        spec = cfg.models.critic or cfg.models.policy
+        self.model = ValueModel.from_policy(critic_path(cfg, cfg.models.policy.path), dtype=spec.dtype,  # type: ignore[arg-type]
+                                            device=cfg.endpoint("critic").device)
         self.trainer = ValueTrainer(self.model, cfg.algo, seed=cfg.run.seed)
         self.t = Trainable(cfg, "critic", self.model, self.trainer.opt)
         self.t.restore()
@@ -38,7 +40,12 @@ class Critic:
 
     @torch.no_grad()
     def score(self, r: Rollout) -> torch.Tensor:
-        return self.model.values(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+        device = next(self.model.parameters()).device
+        parts = []
+        for idx in torch.arange(len(r)).split(self.cfg.generation.micro_batch or len(r)):
+            mb = r.select(idx).to(device)
+            parts.append(self.model.values(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask).cpu())
+        return torch.cat(parts)
 
     async def train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:
         try:

@@ -60,6 +60,7 @@ def response_logprobs(
     response_mask: torch.Tensor,
     temperature: float = ...,
     with_entropy: Literal[False] = ...,
+    entropy_grad: bool = ...,
 ) -> torch.Tensor: ...
 
 
@@ -73,6 +74,7 @@ def response_logprobs(
     temperature: float = ...,
     *,
     with_entropy: Literal[True],
+    entropy_grad: bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -85,6 +87,7 @@ def response_logprobs(
     response_mask: torch.Tensor,
     temperature: float = ...,
     with_entropy: bool = ...,
+    entropy_grad: bool = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -96,12 +99,15 @@ def response_logprobs(
     response_mask: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`log softmax(logits / temperature)` at each response token, `[B, R]` float32, 0 at padding.
 
     One forward over the whole sequence; the logits that predict response token t sit at column
     P + t - 1. Differentiable (the trainer calls it under autograd). With `with_entropy`, also the
-    entropy of the same tempered distribution at each response position, `[B, R]`, 0 at padding.
+    entropy of the same tempered distribution at each response position, `[B, R]`, 0 at padding;
+    `entropy_grad=False` computes it outside autograd (a statistic only), which saves the two
+    `[B, R, V]` tensors its backward would keep.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -130,5 +136,7 @@ def response_logprobs(
     logp = logp.masked_fill(~rmask, 0.0)
     if not with_entropy:
         return logp
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        src = logp_all if entropy_grad else logp_all.detach()
+        entropy = -(src.exp() * src).sum(-1)
     return logp, entropy.masked_fill(~rmask, 0.0)

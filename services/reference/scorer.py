@@ -14,16 +14,17 @@ class ReferenceScorer:
         self.model = model.eval().requires_grad_(False)
         self.temperature = temperature
         self.micro_batch = micro_batch
+        self.device = next(model.parameters()).device
 
     @torch.no_grad()
     def score(self, r: Rollout) -> torch.Tensor:
         size = self.micro_batch or len(r)
         parts = []
         for idx in torch.arange(len(r)).split(size):
-            mb = r.select(idx)
+            mb = r.select(idx).to(self.device)
             out = response_logprobs(
                 self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
                 temperature=self.temperature,
             )
-            parts.append(out if isinstance(out, torch.Tensor) else out[0])
+            parts.append((out if isinstance(out, torch.Tensor) else out[0]).cpu())
         return torch.cat(parts)

@@ -12,6 +12,7 @@ from services.reference.scorer import ReferenceScorer
 
 def serve(cfg: RunConfig) -> None:
     assert cfg.models.policy.path is not None, "the launcher resolves models.policy.path"
-    model = load_causal_lm(Path(cfg.models.policy.path), dtype=cfg.models.policy.dtype)
+    model = load_causal_lm(Path(cfg.models.policy.path), dtype=cfg.models.policy.dtype,
+                           device=cfg.endpoint("reference").device)
     scorer = ReferenceScorer(model, cfg.generation.temperature, micro_batch=cfg.generation.micro_batch)
     ScoringService(cfg, "reference", scorer.score).run()

@@ -61,6 +61,12 @@ class Rollout:
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
 
+    def to(self, device: torch.device | str) -> Rollout:
+        """The same rollout with every tensor on `device` (no copy for tensors already there)."""
+        kw = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+              if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **kw)
+
     def select(self, index: torch.Tensor | list[int]) -> Rollout:
         idx = torch.as_tensor(index, dtype=torch.long)
         kw: dict[str, Any] = {}

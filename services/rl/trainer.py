@@ -24,12 +24,37 @@ def _mean(acc: dict[str, list[float]]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in acc.items() if v}
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def micro_weights(mb: Rollout, micro: int, agg: str) -> list[tuple[torch.Tensor, float]]:
+    """Split a minibatch into micro-batches of `micro` rows with the weight each micro-batch's loss
+    gets so that the accumulated gradient equals the whole minibatch's: its share of the masked
+    tokens (`token_mean`) or of the non-empty responses (`seq_mean_*`)."""
+    n = len(mb)
+    step = micro if 0 < micro < n else n
+    chunks = [torch.arange(i, min(i + step, n)) for i in range(0, n, step)]
+    if len(chunks) == 1:
+        return [(chunks[0], 1.0)]
+    m = mb.response_mask.bool()
+    units = m.sum(dim=1) if agg == "token_mean" else m.any(dim=1).long()
+    total = int(units.sum())
+    if total == 0:
+        return [(c, 1.0 / len(chunks)) for c in chunks]
+    return [(c, int(units[c].sum()) / total) for c in chunks]
+
+
 class PolicyTrainer:
+    """PPO-style policy updates on whatever device the model lives on; rollouts arrive on the CPU and
+    move one micro-batch at a time."""
+
     def __init__(self, model: nn.Module, algo: AlgoSection, temperature: float, seed: int = 0) -> None:
         self.model = model
         self.algo = algo
         self.temperature = temperature
         self.seed = seed
+        self.device = _device_of(model)
         self.opt = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=algo.lr, weight_decay=0.0
         )
@@ -38,6 +63,7 @@ class PolicyTrainer:
         out = response_logprobs(
             self.model, r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask,
             temperature=self.temperature, with_entropy=with_entropy,
+            entropy_grad=self.algo.entropy_coef > 0,
         )
         if isinstance(out, tuple):
             return out[0], out[1]
@@ -53,11 +79,12 @@ class PolicyTrainer:
         # A fully on-policy batch skips the extra forward: proximal and behaviour are the same weights.
         versions = r.versions if r.versions is not None else torch.full((len(r),), r.version)
         off_policy = algo.decoupled and bool((versions < current_version).any())
+        chunk = algo.micro_batch_size or algo.minibatch_size
         if off_policy:
             with torch.no_grad():
                 old = torch.cat([
-                    self._logprobs(r.select(idx), False)[0]
-                    for idx in torch.arange(len(r)).split(algo.minibatch_size)
+                    self._logprobs(r.select(idx).to(self.device), False)[0].cpu()
+                    for idx in torch.arange(len(r)).split(chunk)
                 ])
             behaviour: torch.Tensor | None = r.behaviour_logprobs
         else:
@@ -68,29 +95,35 @@ class PolicyTrainer:
         for _ in range(algo.ppo_epochs):
             for idx in _minibatches(len(r), algo.minibatch_size, gen):
                 mb = r.select(idx)
-                logp, ent = self._logprobs(mb, with_entropy=True)
-                loss, st = policy_loss(
-                    logp, old[idx], mb.advantages, mb.response_mask,  # type: ignore[arg-type]
-                    clip_eps=algo.clip_eps, clip_eps_high=algo.clip_eps_high, agg=algo.loss_agg,
-                    behaviour_logp=None if behaviour is None else behaviour[idx],
-                    behaviour_weight_cap=algo.behaviour_weight_cap,
-                )
-                acc["policy_loss"].append(float(loss))
-                if algo.kl_coef > 0 and algo.kl_in == "loss" and mb.ref_logprobs is not None:
-                    kl = kl_loss(logp, mb.ref_logprobs, mb.response_mask, algo.kl_estimator, algo.loss_agg)
-                    loss = loss + algo.kl_coef * kl
-                    acc["kl_loss"].append(float(kl))
-                assert ent is not None
-                entropy = aggregate(ent, mb.response_mask, algo.loss_agg)
-                if algo.entropy_coef > 0:
-                    loss = loss - algo.entropy_coef * entropy
                 self.opt.zero_grad(set_to_none=True)
-                loss.backward()
+                sums: dict[str, float] = defaultdict(float)
+                for sub, w in micro_weights(mb, algo.micro_batch_size, algo.loss_agg):
+                    part = mb.select(sub).to(self.device)
+                    rows = idx[sub]
+                    logp, ent = self._logprobs(part, with_entropy=True)
+                    loss, st = policy_loss(
+                        logp, old[rows].to(self.device), part.advantages, part.response_mask,  # type: ignore[arg-type]
+                        clip_eps=algo.clip_eps, clip_eps_high=algo.clip_eps_high, agg=algo.loss_agg,
+                        behaviour_logp=None if behaviour is None else behaviour[rows].to(self.device),
+                        behaviour_weight_cap=algo.behaviour_weight_cap,
+                    )
+                    sums["policy_loss"] += w * float(loss.detach())
+                    if algo.kl_coef > 0 and algo.kl_in == "loss" and part.ref_logprobs is not None:
+                        kl = kl_loss(logp, part.ref_logprobs, part.response_mask, algo.kl_estimator, algo.loss_agg)
+                        loss = loss + algo.kl_coef * kl
+                        sums["kl_loss"] += w * float(kl.detach())
+                    assert ent is not None
+                    entropy = aggregate(ent, part.response_mask, algo.loss_agg)
+                    if algo.entropy_coef > 0:
+                        loss = loss - algo.entropy_coef * entropy
+                    (loss * w).backward()
+                    sums["entropy"] += w * float(entropy.detach())
+                    for k, v in st.items():
+                        sums[k] += w * v
                 grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), algo.max_grad_norm)
                 self.opt.step()
-                acc["entropy"].append(float(entropy))
                 acc["grad_norm"].append(float(grad_norm))
-                for k, v in st.items():
+                for k, v in sums.items():
                     acc[k].append(v)
         self.model.eval()
         out = _mean(acc)
@@ -103,6 +136,7 @@ class ValueTrainer:
         self.model = model
         self.algo = algo
         self.seed = seed
+        self.device = _device_of(model)
         self.opt = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=algo.critic_lr, weight_decay=0.0
         )
@@ -117,16 +151,22 @@ class ValueTrainer:
         for _ in range(algo.ppo_epochs):
             for idx in _minibatches(len(r), algo.minibatch_size, gen):
                 mb = r.select(idx)
-                v = self.model.values(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
-                loss, st = value_loss(
-                    v, mb.values, mb.returns, mb.response_mask, clip=algo.value_clip, agg=algo.loss_agg,  # type: ignore[arg-type]
-                )
                 self.opt.zero_grad(set_to_none=True)
-                loss.backward()
+                sums: dict[str, float] = defaultdict(float)
+                for sub, w in micro_weights(mb, algo.micro_batch_size, algo.loss_agg):
+                    part = mb.select(sub).to(self.device)
+                    v = self.model.values(part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
+                    loss, st = value_loss(
+                        v, part.values, part.returns, part.response_mask, clip=algo.value_clip,  # type: ignore[arg-type]
+                        agg=algo.loss_agg,
+                    )
+                    (loss * w).backward()
+                    sums["value_loss"] += w * float(loss.detach())
+                    for k, val in st.items():
+                        sums[k] += w * val
                 nn.utils.clip_grad_norm_(self.model.parameters(), algo.max_grad_norm)
                 self.opt.step()
-                acc["value_loss"].append(float(loss))
-                for k, val in st.items():
+                for k, val in sums.items():
                     acc[k].append(val)
         self.model.eval()
         return _mean(acc)

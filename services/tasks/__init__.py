@@ -14,15 +14,17 @@ from typing import TYPE_CHECKING, Any
 from services.tasks.arithmetic import ArithmeticTask
 from services.tasks.base import Prompt, RewardFn, Task, TaskError
 from services.tasks.sentiment import SentimentTask
+from services.tasks.synthetic import SyntheticTask
 
 if TYPE_CHECKING:
     from services.core.config import TaskSection
 
 log = logging.getLogger(__name__)
 
-TASKS: dict[str, type[ArithmeticTask] | type[SentimentTask]] = {
+TASKS: dict[str, type[ArithmeticTask] | type[SentimentTask] | type[SyntheticTask]] = {
     "arithmetic": ArithmeticTask,
     "sentiment": SentimentTask,
+    "synthetic": SyntheticTask,
 }
 
 __all__ = ["TASKS", "Prompt", "RewardFn", "Task", "TaskError", "load_reward_fn", "load_task", "make_task"]

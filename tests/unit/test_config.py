@@ -88,3 +88,9 @@ def test_only_stateless_scorers_take_replicas() -> None:
     assert parse_config({"services": {"reward": {"replicas": 3}}}).endpoint("reward").replicas == 3
     with pytest.raises(ConfigError, match=r"services\.critic\.replicas"):
         parse_config({"services": {"critic": {"replicas": 2}}})
+
+
+def test_service_device_must_be_a_torch_device() -> None:
+    assert parse_config({"services": {"actor": {"device": "cuda:1"}}}).endpoint("actor").device == "cuda:1"
+    with pytest.raises(ConfigError, match=r"services\.critic\.device.*'cpu', 'cuda' or 'cuda:N'.*'gpu0'"):
+        parse_config({"services": {"critic": {"device": "gpu0"}}})

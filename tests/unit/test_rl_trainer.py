@@ -1,0 +1,98 @@
+"""PolicyTrainer / ValueTrainer: micro-batching accumulates exactly the minibatch's gradient."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from services.core.config import AlgoSection
+from services.models.critic import ValueModel
+from services.rl.batch import Rollout
+from services.rl.trainer import PolicyTrainer, ValueTrainer, micro_weights
+
+
+def _model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      intermediate_size=64, vocab_size=40, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).to(torch.float64).eval()
+
+
+def _rollout(b: int = 8, p: int = 3, r: int = 5) -> Rollout:
+    g = torch.Generator().manual_seed(1)
+    resp_mask = torch.ones(b, r, dtype=torch.bool)
+    for i in range(b):  # ragged responses, one of them empty
+        resp_mask[i, (i * 2) % (r + 1):] = False
+    prompt_mask = torch.ones(b, p, dtype=torch.bool)
+    prompt_mask[0, 0] = False  # left padding
+    return Rollout(
+        task_ids=[f"t{i}" for i in range(b)],
+        prompt_ids=torch.randint(1, 40, (b, p), generator=g), prompt_mask=prompt_mask,
+        response_ids=torch.randint(1, 40, (b, r), generator=g), response_mask=resp_mask,
+        behaviour_logprobs=-torch.rand(b, r, generator=g, dtype=torch.float64) * 3,
+        group_ids=torch.arange(b) // 2,
+        advantages=torch.randn(b, r, generator=g, dtype=torch.float64),
+        returns=torch.randn(b, r, generator=g, dtype=torch.float64),
+        values=torch.randn(b, r, generator=g, dtype=torch.float64),
+        ref_logprobs=-torch.rand(b, r, generator=g, dtype=torch.float64) * 3,
+    )
+
+
+def _assert_same_update(a: list[torch.Tensor], b: list[torch.Tensor], tol: float = 1e-5) -> None:
+    # Log-probs are taken in float32 whatever the model dtype, so the match is to float32 rounding;
+    # a wrong micro-batch weighting is off by O(1) in relative norm.
+    num = sum(float((x - y).norm() ** 2) for x, y in zip(a, b, strict=True)) ** 0.5
+    den = sum(float(x.norm() ** 2) for x in a) ** 0.5
+    assert den > 0 and num / den < tol, (num, den)
+
+
+def _sgd_delta(trainer: PolicyTrainer | ValueTrainer, run) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    trainer.opt = torch.optim.SGD(params, lr=1.0)  # the update is the gradient itself
+    run()
+    return [b - p.detach() for b, p in zip(before, params, strict=True)]
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_micro_batches_accumulate_the_minibatch_gradient(agg: str) -> None:
+    r = _rollout()
+    deltas = []
+    for micro in (0, 3):
+        algo = AlgoSection(name="grpo", minibatch_size=8, micro_batch_size=micro, loss_agg=agg,  # type: ignore[arg-type]
+                           kl_coef=0.1, kl_in="loss", entropy_coef=0.01, max_grad_norm=1e9)
+        t = PolicyTrainer(copy.deepcopy(_model()), algo, temperature=1.0)
+        deltas.append(_sgd_delta(t, lambda t=t: t.train_step(r, step=0, current_version=0)))
+    _assert_same_update(*deltas)
+
+
+def test_value_micro_batches_accumulate_the_minibatch_gradient() -> None:
+    r = _rollout()
+    deltas = []
+    for micro in (0, 3):
+        algo = AlgoSection(name="ppo", minibatch_size=8, micro_batch_size=micro, max_grad_norm=1e9)
+        torch.manual_seed(0)
+        t = ValueTrainer(ValueModel(_model().model.float()), algo)
+        deltas.append(_sgd_delta(t, lambda t=t: t.train_step(r, step=0)))
+    _assert_same_update(*deltas, tol=1e-4)
+
+
+def test_micro_weights_split_by_tokens_or_responses() -> None:
+    r = _rollout()
+    tok = micro_weights(r, 3, "token_mean")
+    seq = micro_weights(r, 3, "seq_mean_token_mean")
+    assert [len(c) for c, _ in tok] == [3, 3, 2]
+    assert sum(w for _, w in tok) == pytest.approx(1.0)
+    assert sum(w for _, w in seq) == pytest.approx(1.0)
+    counts = r.response_mask.sum(1)
+    assert tok[0][1] == pytest.approx(float(counts[:3].sum() / counts.sum()))
+    assert micro_weights(r, 0, "token_mean")[0][1] == 1.0 and len(micro_weights(r, 100, "token_mean")) == 1
+
+
+def test_rollout_moves_every_tensor_to_a_device() -> None:
+    r = _rollout().to("meta")
+    assert all(t.device.type == "meta" for t in (r.prompt_ids, r.advantages, r.values, r.group_ids))
+    assert r.task_ids == _rollout().task_ids
