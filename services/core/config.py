@@ -111,8 +111,9 @@ class AlgoSection(_Strict):
     entropy_coef: Annotated[float, Field(ge=0)] = 0.0
     ppo_epochs: Annotated[int, Field(ge=1)] = 1
     minibatch_size: Annotated[int, Field(ge=1)] = 32
-    # Sequences per forward/backward inside a minibatch (gradients accumulate over them, one
-    # optimizer step per minibatch); 0 means the whole minibatch at once.
+    # Sequences per forward pass of the trainers (gradients accumulate over them, one optimizer step
+    # per minibatch) and of the reference and critic scorers; 0 means a whole minibatch or message
+    # at once. Bounds the [micro, tokens, vocab] log-prob tensors on large vocabularies.
     micro_batch_size: Annotated[int, Field(ge=0)] = 0
     lr: Annotated[float, Field(gt=0)] = 1e-4
     critic_lr: Annotated[float, Field(gt=0)] = 1e-3

@@ -42,7 +42,7 @@ class Critic:
     def score(self, r: Rollout) -> torch.Tensor:
         device = next(self.model.parameters()).device
         parts = []
-        for idx in torch.arange(len(r)).split(self.cfg.generation.micro_batch or len(r)):
+        for idx in torch.arange(len(r)).split(self.cfg.algo.micro_batch_size or len(r)):
             mb = r.select(idx).to(device)
             parts.append(self.model.values(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask).cpu())
         return torch.cat(parts)
