@@ -493,8 +493,31 @@ def render(res: dict[str, Any], json_name: str) -> str:
             if g and ref:
                 lines.append(f"- {labels[key]}: generate stage {_f(g, 0)} tok/s = {g / ref:.2f}× vLLM alone"
                              " with log-probs")
+    lines += ["", "Targets (issue 7), from this run:", "", *targets(ph)]
     lines.append(MARK_END)
     return "\n".join(lines) + "\n"
+
+
+def targets(ph: dict[str, Any]) -> list[str]:
+    """Each target of issue 7 with its measured value and met / missed (or not measured)."""
+    trl, fleet = ph.get("trl", {}), ph.get("fleet-vllm-grpo", {})
+    alone = ph.get("vllm-alone", {}).get("variants", {}).get("logprobs", {}).get("tokens_per_s")
+    out = []
+
+    def line(what: str, value: float | None, goal: float, fmt: str, higher: bool = True) -> None:
+        if value is None:
+            out.append(f"- {what}: not measured")
+            return
+        met = value >= goal if higher else value <= goal
+        out.append(f"- {what}: {fmt.format(value)} (target {fmt.format(goal)}): {'met' if met else 'missed'}")
+
+    ratio = (fleet["samples_per_s"] / trl["samples_per_s"]) if fleet.get("ok") and trl.get("ok") else None
+    line("rlfleet `engine: vllm` GRPO samples/s over TRL's", ratio, 2.5, "{:.2f}×")
+    line("mean GPU utilization in rlfleet's steady state", fleet.get("gpu_util"), 80.0, "{:.1f}%")
+    gen = fleet.get("generate_tokens_per_s")
+    line("fleet generation stage over standalone vLLM (same sampling: per-token log-probs)",
+         gen / alone if gen and alone else None, 0.9, "{:.2f}×")
+    return out
 
 
 def plots(res: dict[str, Any], out: Path) -> list[Path]:
