@@ -24,6 +24,7 @@ import httpx
 import yaml
 
 from services.core.config import RunConfig, ServiceName, parse_config
+from services.core.placement import Inventory, PlacementError, Plan, discover_gpus
 from services.core.redis_proc import RedisProcess, free_port, start_redis
 
 log = logging.getLogger("rlfleet.fleet")
@@ -66,20 +67,24 @@ def resolve_fleet_config(cfg: RunConfig, redis_url: str | None) -> RunConfig:
 
 
 class Fleet:
-    def __init__(self, cfg: RunConfig, restart_budget: int = 3, python: str = sys.executable) -> None:
+    def __init__(self, cfg: RunConfig, restart_budget: int = 3, python: str = sys.executable,
+                 inventory: Inventory | None = None) -> None:
         self.base_cfg = cfg
+        self.inventory = inventory  # None: NVML, when the config has device groups
         self.run_dir = cfg.run_dir.resolve()
         self.restart_budget = restart_budget
         self.python = python
         self.redis: RedisProcess | None = None
         self.procs: dict[str, ServiceProc] = {}
         self.cfg: RunConfig | None = None
+        self.plan: Plan | None = None
         self.config_path = self.run_dir / "fleet.yaml"
 
     # -- start-up --------------------------------------------------------------------------------
     def prepare(self) -> RunConfig:
         from services.local import prepare as prepare_models
 
+        self.plan = self.place(self.base_cfg)  # before anything starts: an impossible placement stops here
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         redis_url = None
@@ -93,11 +98,38 @@ class Fleet:
         self.cfg = cfg
         return cfg
 
+    def place(self, cfg: RunConfig) -> Plan | None:
+        """Pin each service to its device group's GPUs, as `rlfleet plan` does for docker compose.
+        A config without device groups, or a host without GPUs, runs unpinned; a group that cannot
+        be placed on the GPUs present fails here, before anything starts."""
+        if not cfg.devices:
+            return None
+        from services.plan import make_plan
+
+        inv = self.inventory if self.inventory is not None else discover_gpus()
+        if not inv.gpus:
+            log.warning("device groups ignored: no GPUs on this host", extra={"reason": inv.reason})
+            return None
+        try:
+            plan = make_plan(cfg, inv)
+        except PlacementError as err:
+            raise FleetError(f"device groups cannot be placed on this host's GPUs ({inv.source}): {err}") from None
+        for name, group in plan.service_groups.items():
+            log.info("placed", extra={"service": name, "group": group, "gpus": plan.gpu_ids(name) or "none"})
+        return plan
+
+    def service_env(self, name: ServiceName) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.plan is not None:
+            # A service without a device group sees no GPU at all: nothing lands on one by accident.
+            env.update(self.plan.service_env(name))
+        return env
+
     def _spawn(self, name: ServiceName, replica: int = 0) -> ServiceProc:
         assert self.cfg is not None
         key = f"{name}-{replica}" if replica else name
         log_path = self.run_dir / "logs" / f"{key}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = self.service_env(name)
         args = [self.python, "-m", f"services.{name}", "--config", str(self.config_path)]
         if replica:
             args += ["--replica", str(replica)]

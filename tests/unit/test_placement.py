@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -392,3 +393,46 @@ def test_plan_command_reports_bad_configs(tmp_path: Path, capsys: pytest.Capture
     assert "algo.name" in capsys.readouterr().err
     # parse_config sanity: a config with no devices section plans on any host.
     assert parse_config({}).devices == {}
+
+
+# --- rlfleet up -----------------------------------------------------------------------------------
+
+def _decoupled(tmp_path: Path) -> Any:
+    return parse_config({
+        "run": {"dir": str(tmp_path / "run")},
+        "algo": {"name": "ppo", "kl_coef": 0.05},
+        "devices": {"actor_gpu": {"ids": [0]}, "scorer_gpu": {"ids": [1]}},
+        "services": {"actor": {"device_group": "actor_gpu", "device": "cuda"},
+                     "critic": {"device_group": "scorer_gpu", "device": "cuda"},
+                     "reference": {"device_group": "scorer_gpu", "device": "cuda"}},
+    })
+
+
+def test_fleet_pins_each_service_to_its_groups_gpus(tmp_path: Path) -> None:
+    from services.fleet import Fleet
+
+    fleet = Fleet(_decoupled(tmp_path), inventory=TWO)
+    fleet.plan = fleet.place(fleet.base_cfg)
+    env = {n: fleet.service_env(n) for n in ("actor", "critic", "reference", "reward", "controller")}
+    assert env["actor"]["CUDA_VISIBLE_DEVICES"] == "GPU-0000"
+    assert env["critic"]["CUDA_VISIBLE_DEVICES"] == env["reference"]["CUDA_VISIBLE_DEVICES"] == "GPU-0001"
+    # Services without a device group see no GPU.
+    assert env["reward"]["CUDA_VISIBLE_DEVICES"] == env["controller"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert all(e["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for e in env.values())
+
+
+def test_fleet_refuses_a_placement_the_host_cannot_hold_before_starting_anything(tmp_path: Path) -> None:
+    from services.fleet import Fleet, FleetError
+
+    fleet = Fleet(_decoupled(tmp_path), inventory=ONE)
+    with pytest.raises(FleetError, match=r"device groups cannot be placed.*scorer_gpu"):
+        fleet.prepare()
+    assert fleet.redis is None and not (tmp_path / "run").exists()
+
+
+def test_fleet_without_gpus_runs_unpinned(tmp_path: Path) -> None:
+    from services.fleet import Fleet
+
+    fleet = Fleet(_decoupled(tmp_path), inventory=CPU)
+    assert fleet.place(fleet.base_cfg) is None
+    assert fleet.service_env("actor").get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
