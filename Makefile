@@ -43,7 +43,7 @@ proto-check: $(BIN)/rlfleet
 
 lint: $(BIN)/rlfleet
 	$(BIN)/ruff check services tests bench scripts
-	$(BIN)/mypy services
+	$(BIN)/mypy services bench
 
 bench: setup
 	$(BIN)/python -m bench.data_plane
