@@ -35,7 +35,7 @@ from services.core.wire import (
     train_batch_from_proto,
 )
 from services.core.worker import Rejected, StreamWorker
-from services.models.engine import SamplingParams, completions_to_rollout, make_engine
+from services.models.engine import EngineError, SamplingParams, completions_to_rollout, make_engine
 from services.models.loading import load_causal_lm, load_tokenizer
 from services.rl.trainer import PolicyTrainer
 
@@ -97,6 +97,10 @@ class Actor:
                 await self.outbox.flush(self._publish_raw)
             await self.bus.close()
         self.outbox.close()
+        from services.models.engine_proc import ProcessEngine
+
+        if isinstance(self.engine, ProcessEngine):  # stop the child now, not at interpreter exit
+            await asyncio.to_thread(self.engine.close)
 
     # -- backpressure --------------------------------------------------------------------------------
     async def gate(self) -> None:
@@ -204,10 +208,21 @@ class Actor:
                                    self.metrics, gate=self.gate)
         await self.runtime.refresh_readiness()
         background = asyncio.create_task(self.housekeeping())
+        work = asyncio.create_task(self.worker.run())
+        watch = asyncio.create_task(self.watch_engine())
         try:
-            await self.worker.run()
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # an engine that died fails the service: its supervisor restarts it
         finally:
-            background.cancel()
+            for task in (background, work, watch):
+                task.cancel()
+
+    async def watch_engine(self) -> None:
+        """Fail fast when the engine's own process (generation.process) has died."""
+        while getattr(self.engine, "alive", True):
+            await asyncio.sleep(1.0)
+        raise EngineError("the generation engine's process died; the actor stops so that it is restarted")
 
     async def _publish_raw(self, stream: str, data: bytes, headers: dict[str, str]) -> str:
         assert self.bus is not None

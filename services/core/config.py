@@ -165,10 +165,13 @@ class GenerationSection(_Strict):
     stop_token_ids: list[int] = Field(default_factory=list)
     # Sequences per forward pass in the engine; 0 means the whole prompt batch at once.
     micro_batch: Annotated[int, Field(ge=0)] = 0
+    # Run the engine in a child process of the actor: generation then overlaps the policy update
+    # without sharing the actor's GIL (weights still move without copies: shared memory or CUDA IPC).
+    process: bool = False
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `services.models.engine.make_engine`."""
-        kw: dict[str, Any] = {"device": self.device, "micro_batch": self.micro_batch}
+        kw: dict[str, Any] = {"device": self.device, "micro_batch": self.micro_batch, "process": self.process}
         if self.engine == "vllm":
             kw.update(self.vllm.engine_options())
         return kw

@@ -131,9 +131,17 @@ def make_engine(
     dtype: str = "float32",
     device: str = "cpu",
     micro_batch: int = 0,
+    process: bool = False,
     **options: Any,
 ) -> GenerationEngine:
-    """`options` go to the backend (vLLM: gpu_memory_utilization, enforce_eager, max_model_len, ...)."""
+    """`options` go to the backend (vLLM: gpu_memory_utilization, enforce_eager, max_model_len, ...).
+    `process=True` runs the engine in a child process of its own (`services.models.engine_proc`)."""
+    if process:
+        if name not in ENGINE_NAMES:
+            raise EngineError(f"unknown generation engine {name!r}; known: {', '.join(ENGINE_NAMES)}")
+        from services.models.engine_proc import ProcessEngine
+
+        return ProcessEngine(name, model_path, dtype=dtype, device=device, micro_batch=micro_batch, **options)
     if name == "transformers":
         from services.models.hf_engine import TransformersEngine
 

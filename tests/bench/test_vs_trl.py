@@ -25,7 +25,7 @@ def test_dry_run_measures_every_phase_and_renders_the_report(tmp_path: Path) -> 
     (path,) = out.glob("vs_trl-*.json")
     res = json.loads(path.read_text())
     ph = res["phases"]
-    for name in ("trl", "fleet-vllm-grpo", "fleet-vllm-ppo", "fleet-hf-grpo"):
+    for name in ("trl", "fleet-vllm-grpo-proc", "fleet-vllm-grpo", "fleet-vllm-ppo", "fleet-hf-grpo"):
         assert ph[name].get("ok"), (name, ph[name].get("error"), ph[name].get("log_tail"))
         assert ph[name]["samples_per_s"] > 0 and ph[name]["steps_measured"] >= 2
     assert ph["vllm-alone"]["error"] == "vllm is not installed"

@@ -44,6 +44,37 @@ def test_fleet_matches_local_loop_on_policy(tmp_path: Path, tiny_model: Path, fl
     assert "data:image/png;base64" in report.read_text()
 
 
+def test_engine_in_its_own_process_learns_exactly_like_the_in_process_engine(
+    tmp_path: Path, tiny_model: Path, fleet_factory
+) -> None:
+    """generation.process: the actor's engine runs in a child process (weights by shared memory) and
+    the run is step for step the single-process loop's; the child is one more process of the actor."""
+    steps = 3
+    run_local(tiny_config(tmp_path / "local", tiny_model, run={"max_steps": steps}))
+    cfg = tiny_config(tmp_path / "fleet", tiny_model, run={"max_steps": steps}, generation={"process": True})
+    fleet = fleet_factory(cfg)
+    fleet.start(ready_timeout_s=180)
+    actor = fleet.procs["actor"].proc.pid
+    children = Path(f"/proc/{actor}/task/{actor}/children").read_text().split()
+    assert children, "the actor started no engine process"
+    assert fleet.supervise(timeout_s=240) == 0
+    for a, b in zip(_rows(tmp_path / "local"), _rows(tmp_path / "fleet"), strict=True):
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6)
+        assert b["kl"] == pytest.approx(a["kl"], abs=1e-4)
+    fleet.stop(grace_s=30)  # the actor drains: its engine process goes with it
+
+    def running(pid: str) -> bool:  # a zombie waiting for its reaper has exited
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(running(c) for c in children):
+        time.sleep(0.1)
+    assert not any(running(c) for c in children), "the engine process outlived the actor"
+
+
 def _scrape(host: str, port: int) -> dict[str, float]:
     text = httpx.get(f"http://{host}:{port}/metrics", timeout=2).text
     out: dict[str, float] = {}

@@ -112,6 +112,28 @@ def test_kill9_mid_step_recovers_without_loss(service: str, tmp_path: Path, tiny
     assert run.fleet.procs[service].restarts == 1
 
 
+def _engine_child(actor_pid: int) -> int:
+    for pid in Path(f"/proc/{actor_pid}/task/{actor_pid}/children").read_text().split():
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return int(pid)
+    raise AssertionError("the actor has no engine process")
+
+
+def test_kill9_of_the_engine_process_fails_the_actor_fast_and_it_recovers(
+    tmp_path: Path, tiny_model: Path, run_factory
+) -> None:
+    """generation.process: a dead engine child makes the actor exit (it cannot generate any more);
+    the supervisor restarts the actor, which starts a new engine, and no work is lost."""
+    cfg = fault_config(tmp_path / "run", tiny_model, generation={"process": True})
+    run = run_factory(cfg)
+    actor = run.fleet.procs["actor"].proc.pid
+    engine = _engine_child(actor)
+    run.fault("kill -9 engine process (generation.process)", lambda: os.kill(engine, signal.SIGKILL))
+    run.finish()
+    assert run.fleet.procs["actor"].restarts == 1 and run.fleet.procs["actor"].proc.pid != actor
+    assert "engine" in (cfg.run_dir / "logs" / "actor.log").read_text()
+
+
 def test_sigstop_past_reclaim_then_sigcont_counts_once(tmp_path: Path, tiny_model: Path, run_factory) -> None:
     """A stalled reward consumer's pending entries are reclaimed by a second replica; when it wakes
     up its late score is a duplicate the controller ignores."""

@@ -36,9 +36,9 @@ from services.models.tokenizer import encode_prompt
 from services.tasks import make_task
 
 BACKENDS = [
-    pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
+    pytest.param((name, False), id=name, marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
     for name, reason in available_engines().items()
-]
+] + [pytest.param(("transformers", True), id="transformers-process")]  # the engine in a child process
 # Random init over a 140-word vocabulary: EOS is rare, so sequences run long unless told to stop.
 SPEC = TinyModelSpec(warmup_steps=0)
 REPO = Path(__file__).resolve().parents[2]
@@ -67,13 +67,20 @@ def prompts(models: dict[str, Path]) -> list[list[int]]:
 
 
 @pytest.fixture(params=BACKENDS)
-def new_engine(request: pytest.FixtureRequest, models: dict[str, Path]) -> Callable[..., GenerationEngine]:
-    name = request.param
+def new_engine(request: pytest.FixtureRequest, models: dict[str, Path]) -> Iterator[Callable[..., GenerationEngine]]:
+    name, process = request.param
+    made: list[GenerationEngine] = []
 
     def make(which: str = "a", **kw: int) -> GenerationEngine:
-        return make_engine(name, models[which], **kw)  # type: ignore[arg-type]
+        engine = make_engine(name, models[which], process=process, **kw)  # type: ignore[arg-type]
+        made.append(engine)
+        return engine
 
-    return make
+    yield make
+    for engine in made:  # child processes hold a whole torch each: stop them with the test
+        close = getattr(engine, "close", None)
+        if process and callable(close):
+            close()
 
 
 def _rows(completions: list[Completion]) -> list[list[int]]:
@@ -121,7 +128,7 @@ def test_seeded_generation_is_the_same_in_another_process(
     new_engine: Callable[..., GenerationEngine], request: pytest.FixtureRequest, models: dict[str, Path],
     prompts: list[list[int]],
 ) -> None:
-    name = request.node.callspec.params["new_engine"]
+    name = request.node.callspec.params["new_engine"][0]
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=7)
     here = _rows(new_engine().generate(prompts, params))
     script = (

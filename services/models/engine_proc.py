@@ -1,0 +1,247 @@
+"""`ProcessEngine`: any generation engine run in a child process of its own, behind the same interface.
+
+Why: the actor trains the policy while its engine generates the next batch (`max_staleness` >= 1). In
+one process the two share one GIL, and an engine whose step loop is Python-heavy (vLLM with per-token
+log-probs) starves the training thread of the GIL it needs to launch kernels: on an H200 the update
+ran at a fraction of its speed while generation was in flight (BENCHMARKS.md, "Reading the one-GPU
+run"). A child process has its own interpreter, so generation and the update overlap for real.
+
+How:
+- The child is started with the `spawn` method (CUDA cannot be forked) and builds the real engine
+  with `make_engine`; the parent waits for its `ready` message, or raises with the child's exit code.
+- Requests (`generate`, `score`, `update_weights`, `describe`, `close`) go over one pipe, one at a
+  time; `abort` goes over a second pipe that a control thread in the child serves while the main
+  thread is busy generating, so an abort reaches a call in flight.
+- Tensors travel through `torch.multiprocessing`'s reductions: CPU tensors by shared memory, CUDA
+  tensors by CUDA IPC handles, so a weight sync copies nothing between processes; the child copies
+  them into its model and drops its references before it answers.
+- `pause`/`resume` and the in-flight count are kept in the parent, where every call passes.
+- A child that dies makes every later call raise `EngineDied` (and `alive` False): the actor treats
+  that as fatal and exits, and its supervisor restarts it (fail fast, as vLLM does with a dead worker).
+
+The pipes carry only our own objects between a parent and the child it spawned; nothing crosses a
+network boundary here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from services.models.engine import (
+    Completion,
+    EngineError,
+    EngineUnavailable,
+    GenerationEngine,
+    SamplingParams,
+    WeightSyncError,
+    make_engine,
+)
+
+log = logging.getLogger(__name__)
+
+# Exceptions re-raised in the parent as the same class; anything else becomes an EngineError.
+_ERRORS: dict[str, type[Exception]] = {c.__name__: c for c in (
+    EngineError, EngineUnavailable, WeightSyncError, ValueError, TypeError)}
+
+
+class EngineDied(EngineError):
+    """The engine's child process exited; the engine cannot serve any more calls."""
+
+
+def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str, Any], threads: int) -> None:
+    torch.set_num_threads(threads)
+    try:
+        engine = make_engine(name, Path(path), **kw)
+    except Exception as err:
+        conn.send(("error", type(err).__name__, str(err)))
+        return
+
+    def control() -> None:
+        while True:
+            try:
+                op = ctrl.recv()
+            except (EOFError, OSError):
+                return
+            if op == "abort":
+                engine.abort()
+            ctrl.send("ok")
+
+    threading.Thread(target=control, daemon=True, name="engine-control").start()
+    conn.send(("ready", {"version": engine.version, "eos": tuple(engine.eos_token_ids),
+                         "describe": _describe(engine)}))
+    while True:
+        try:
+            op, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        if op == "close":
+            conn.send(("ok", None))
+            break
+        try:
+            if op == "generate":
+                out: Any = engine.generate(*args)
+            elif op == "score":
+                out = engine.score(*args)  # type: ignore[attr-defined]
+            elif op == "update_weights":
+                named, version = args
+                engine.update_weights(named, version)
+                del named, args  # release shared tensors (CUDA IPC) before the parent reuses them
+                out = engine.version
+            elif op == "describe":
+                out = _describe(engine)
+            else:
+                raise EngineError(f"unknown engine request {op!r}")
+            conn.send(("ok", out))
+        except Exception as err:
+            conn.send(("error", type(err).__name__, str(err)))
+    close = getattr(engine, "close", None)
+    if callable(close):
+        close()
+
+
+def _describe(engine: GenerationEngine) -> dict[str, Any]:
+    d = getattr(engine, "describe", None)
+    return dict(d()) if callable(d) else {"engine": type(engine).__name__}
+
+
+class ProcessEngine:
+    """A `GenerationEngine` whose real engine (`name`, built by `make_engine`) lives in a child process."""
+
+    def __init__(self, name: str, model_path: Path, start_timeout_s: float = 900.0, **kw: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._ctrl, child_ctrl = ctx.Pipe()
+        self._proc = ctx.Process(target=_child, name=f"engine-{name}", daemon=True,
+                                 args=(child_conn, child_ctrl, name, str(model_path), kw, torch.get_num_threads()))
+        t0 = time.monotonic()
+        self._proc.start()
+        child_conn.close()
+        child_ctrl.close()
+        self._lock = threading.Lock()  # one request on the main pipe at a time
+        self._ctrl_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._paused = False
+        self._in_flight = 0
+        self._dead: str | None = None
+        msg = self._wait_ready(start_timeout_s)
+        self._version = int(msg["version"])
+        self._eos = tuple(int(t) for t in msg["eos"])
+        self._describe = dict(msg["describe"], process=self._proc.pid)
+        log.info("engine process started", extra={"engine": name, "pid": self._proc.pid,
+                                                   "seconds": round(time.monotonic() - t0, 1)})
+
+    def _wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(0.5):
+            if not self._proc.is_alive():
+                raise EngineDied(f"engine process exited with code {self._proc.exitcode} while starting")
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise EngineError(f"engine process not ready within {timeout_s:.0f}s")
+        msg = self._conn.recv()
+        if msg[0] == "error":
+            self._proc.join(10)
+            raise _ERRORS.get(msg[1], EngineError)(msg[2])
+        return msg[1]  # type: ignore[no-any-return]
+
+    # -- the engine interface ------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._proc.is_alive()
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self._describe)
+
+    def _call(self, op: str, *args: Any) -> Any:
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDied(self._dead)
+            try:
+                self._conn.send((op, args))
+                msg = self._conn.recv()
+            except (EOFError, OSError, BrokenPipeError):
+                self._proc.join(5)
+                self._dead = f"engine process died (exit code {self._proc.exitcode}) during {op}"
+                raise EngineDied(self._dead) from None
+        if msg[0] == "error":
+            raise _ERRORS.get(msg[1], EngineError)(msg[2])
+        return msg[1]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        with self._cv:
+            while self._paused:
+                self._cv.wait()
+            self._in_flight += 1
+        try:
+            out: list[Completion] = self._call("generate", prompts, params)
+            return out
+        finally:
+            with self._cv:
+                self._in_flight -= 1
+                self._cv.notify_all()
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        out: list[list[float]] = self._call("score", sequences)
+        return out
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        # Detached views: the child must not see autograd state, and CUDA IPC shares storage only.
+        named = [(n, t.detach()) for n, t in named_tensors]
+        self._version = int(self._call("update_weights", named, version))
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+            while self._in_flight:
+                self._cv.wait()
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def abort(self) -> None:
+        with self._ctrl_lock:
+            if not self.alive:
+                return
+            try:
+                self._ctrl.send("abort")
+                self._ctrl.recv()  # the child engine has marked its calls in flight as aborted
+            except (EOFError, OSError, BrokenPipeError):
+                pass
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                with self._lock:
+                    self._conn.send(("close", ()))
+                    if self._conn.poll(30):
+                        self._conn.recv()
+            except (EOFError, OSError, BrokenPipeError):
+                pass
+            self._proc.join(30)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+        self._dead = self._dead or "engine closed"
