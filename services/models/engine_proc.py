@@ -94,6 +94,10 @@ def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[st
             elif op == "update_weights":
                 named, version = args
                 engine.update_weights(named, version)
+                if torch.cuda.is_initialized():
+                    # Copies out of the parent's tensors may still be queued: the parent trains on
+                    # those tensors again as soon as this call returns.
+                    torch.cuda.synchronize()
                 del named, args  # release shared tensors (CUDA IPC) before the parent reuses them
                 out = engine.version
             elif op == "describe":
