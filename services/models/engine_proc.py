@@ -65,14 +65,29 @@ def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[st
         conn.send(("error", type(err).__name__, str(err)))
         return
 
+    # Abort covers every call the parent had started before it aborted (epoch < aborted), including
+    # one this process has received but not yet handed to the engine: such a call returns at once, and
+    # one that enters the engine just as the abort arrives is aborted again once it is in.
+    state = threading.Lock()
+    aborted, running = 0, None
+
     def control() -> None:
+        nonlocal aborted
         while True:
             try:
-                op = ctrl.recv()
+                op, epoch = ctrl.recv()
             except (EOFError, OSError):
                 return
             if op == "abort":
-                engine.abort()
+                with state:
+                    aborted = max(aborted, epoch)
+                    active = running is not None
+                if active:
+                    engine.abort()
+                    while running is not None and engine.in_flight == 0:
+                        time.sleep(0.001)
+                    if running is not None:
+                        engine.abort()
             ctrl.send("ok")
 
     threading.Thread(target=control, daemon=True, name="engine-control").start()
@@ -88,7 +103,16 @@ def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[st
             break
         try:
             if op == "generate":
-                out: Any = engine.generate(*args)
+                prompts, params, epoch = args
+                with state:
+                    late = epoch < aborted
+                    running = None if late else epoch
+                try:
+                    out: Any = ([Completion([], [], "abort") for _ in prompts] if late
+                                else engine.generate(prompts, params))
+                finally:
+                    with state:
+                        running = None
             elif op == "score":
                 out = engine.score(*args)  # type: ignore[attr-defined]
             elif op == "update_weights":
@@ -135,6 +159,7 @@ class ProcessEngine:
         self._cv = threading.Condition()
         self._paused = False
         self._in_flight = 0
+        self._epoch = 0  # bumped by abort(); a generate call carries the epoch it started in
         self._dead: str | None = None
         msg = self._wait_ready(start_timeout_s)
         self._version = int(msg["version"])
@@ -197,8 +222,9 @@ class ProcessEngine:
             while self._paused:
                 self._cv.wait()
             self._in_flight += 1
+            epoch = self._epoch
         try:
-            out: list[Completion] = self._call("generate", prompts, params)
+            out: list[Completion] = self._call("generate", prompts, params, epoch)
             return out
         finally:
             with self._cv:
@@ -229,9 +255,12 @@ class ProcessEngine:
         with self._ctrl_lock:
             if not self.alive:
                 return
+            with self._cv:
+                self._epoch += 1
+                epoch = self._epoch
             try:
-                self._ctrl.send("abort")
-                self._ctrl.recv()  # the child engine has marked its calls in flight as aborted
+                self._ctrl.send(("abort", epoch))
+                self._ctrl.recv()  # the child has aborted every call started before this one
             except (EOFError, OSError, BrokenPipeError):
                 pass
 

@@ -209,13 +209,13 @@ def test_hot_swap_critic_under_load(tmp_path: Path, tiny_model: Path, run_factor
     assert critic == sorted(critic), f"critic versions went backwards: {critic}"
 
 
-def test_slow_critic_is_held_by_backpressure(tmp_path: Path, tiny_model: Path, run_factory) -> None:
-    """A critic that stalls (SIGSTOP until the actor holds, then a while longer) in repeated cycles:
-    each time the actor holds, the critic's queue plateaus at the high watermark instead of growing
-    to the admission window, the actor resumes once the critic drains below the low watermark, and
-    the actor's memory stays flat. Stalling until the hold is seen, rather than on a fixed duty
-    cycle, keeps the case independent of how fast this machine generates; the run is long enough
-    that admission never runs out of prompts before the three stalls are done."""
+def test_slow_scorer_is_held_by_backpressure(tmp_path: Path, tiny_model: Path, run_factory) -> None:
+    """A scorer that stalls (SIGSTOP until the actor holds, then a while longer) in repeated cycles:
+    each time the actor holds, the scorer's queue plateaus at the high watermark instead of growing
+    to the admission window, the actor resumes once the scorer drains below the low watermark, and
+    the actor's memory stays flat. The stalled scorer is the reference: it has no Train call, so a
+    stall never stops the step (and with it admission) before its queue fills, and stalling until
+    the hold is seen keeps the case independent of how fast this machine generates."""
     cfg = fault_config(tmp_path / "run", tiny_model, run={"max_steps": 40},
                        flow={"max_staleness": 3, "stream_capacity": 4, "high_watermark": 0.7,
                              "low_watermark": 0.3})
@@ -226,9 +226,9 @@ def test_slow_critic_is_held_by_backpressure(tmp_path: Path, tiny_model: Path, r
     depths: list[int] = []
     rss: list[int] = []
 
-    def critic_depth() -> int:
+    def stalled_depth() -> int:
         for g in r.xinfo_groups(f"rlfleet:{cfg.run.name}:rollouts"):
-            if g["name"] == b"critic":
+            if g["name"] == b"reference":
                 return int(g.get("lag") or 0) + int(g["pending"])
         return 0
 
@@ -238,7 +238,7 @@ def test_slow_critic_is_held_by_backpressure(tmp_path: Path, tiny_model: Path, r
     def until(cond: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and run.result is None and run.fleet.procs["actor"].alive:
-            depths.append(critic_depth())
+            depths.append(stalled_depth())
             rss.append(rss_bytes(run.fleet.procs["actor"].proc.pid))
             try:
                 if cond():
@@ -251,25 +251,23 @@ def test_slow_critic_is_held_by_backpressure(tmp_path: Path, tiny_model: Path, r
     wait_for_step(run.fleet, 1)
     engaged = released = 0
     try:
-        # A stall that lands while the critic serves its Train call stops the step, and with it
-        # admission, before the queue fills: no hold is due then, so that attempt is retried.
-        for _ in range(12):
+        for _ in range(6):
             if engaged == 3:
                 break
-            critic = run.fleet.procs["critic"].proc.pid
-            os.kill(critic, signal.SIGSTOP)
+            stalled = run.fleet.procs["reference"].proc.pid
+            os.kill(stalled, signal.SIGSTOP)
             try:
-                if until(held, 5.0):
+                if until(held, 30.0):
                     engaged += 1
                     until(lambda: False, 2.0)  # held for a while: the queue must not keep growing
             finally:
-                os.kill(critic, signal.SIGCONT)
+                os.kill(stalled, signal.SIGCONT)
             if until(lambda: not held(), 60):
                 released += 1
         run.finish()
     finally:
-        if run.fleet.procs["critic"].alive:
-            os.kill(run.fleet.procs["critic"].proc.pid, signal.SIGCONT)
+        if run.fleet.procs["reference"].alive:
+            os.kill(run.fleet.procs["reference"].proc.pid, signal.SIGCONT)
     window = (cfg.flow.max_staleness + 1) * cfg.batch.prompts_per_step // cfg.batch.prompts_per_message
     plateau = cfg.flow.high_watermark * cfg.flow.stream_capacity
     assert engaged >= 2 and released >= engaged, f"backpressure engaged {engaged} and released {released} times"
