@@ -113,7 +113,6 @@ def build_model(path: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from services.models.tokenizer import build_tokenizer_from_vocab
-    from services.tasks.synthetic import SyntheticTask
 
     if (path / "config.json").exists():
         return
@@ -131,7 +130,6 @@ def build_model(path: Path) -> None:
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(path)
-    assert isinstance(task, SyntheticTask)
 
 
 def synthetic_task() -> Any:

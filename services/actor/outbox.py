@@ -40,21 +40,18 @@ event loop keeps running during fsyncs.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import os
 import struct
-import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import lmdb
-
 from services.core.bus import BusUnavailable
+from services.core.lmdb_store import LmdbStore
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +63,9 @@ DEFAULT_MAP_SIZE = 64 << 20  # 64 MiB
 # The outbox holds at most the batches in flight when Redis went away (no prompts arrive without
 # Redis), so this ceiling is generous; with writemap off it costs address space only.
 DEFAULT_MAX_MAP_SIZE = 16 << 30
-# LMDB reports a short write (the disk filled mid-write) as EIO; below this much free space we
-# read such an EIO as "disk full" rather than a failing device.
-DISK_FULL_SLACK_BYTES = 1 << 20
 _MAX_KEY_BYTES = 511  # LMDB's compiled-in key size limit
 _LEN = struct.Struct(">I")
 _DB_NAMES = (b"entries", b"keys", b"meta")
-
-_OPEN_PATHS: set[str] = set()
-_OPEN_PATHS_LOCK = threading.Lock()
 
 
 class OutboxError(RuntimeError):
@@ -125,19 +116,20 @@ def _decode(seq: int, raw: bytes) -> OutboxEntry:
         raise OutboxError(f"outbox entry {seq} is unreadable: {type(err).__name__}: {err}") from err
 
 
-class Outbox:
+class Outbox(LmdbStore):
     """Create with `Outbox.open(path)`."""
 
+    kind = "outbox"
+    error = OutboxError
+    full_error = OutboxFull
+    db_names = _DB_NAMES
+    schema_version = SCHEMA_VERSION
+    full_advice = ("Nothing of this write was stored and pending entries are intact; free disk space"
+                   " (or raise max_map_size).")
+
     def __init__(self, path: Path, *, map_size: int, max_map_size: int, sync: bool) -> None:
-        self._path = path
-        self._map_size = map_size
-        self._max_map_size = max_map_size
-        self._sync = sync
-        self._lock = threading.RLock()
-        self._env: Any = None
-        self._dbs: dict[bytes, Any] = {}
-        self._closed = False
-        self._path_key = ""
+        super().__init__(path, map_size=map_size, max_map_size=max_map_size, sync=sync, metasync=sync,
+                         readonly=False)
         # One flush at a time: two concurrent flushes would publish the head entry twice.
         self._flushing = False
 
@@ -157,93 +149,8 @@ class Outbox:
         `sync=False` skips the fsync per commit: a process crash still loses nothing (the page
         cache survives kill -9), a power loss may lose the last puts. Reader slots left by killed
         processes are cleared on open."""
-        if map_size <= 0 or max_map_size < map_size:
-            raise ValueError(f"need 0 < map_size <= max_map_size, got {map_size} and {max_map_size}")
-        p = Path(path).absolute()
-        try:
-            p.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            if err.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise OutboxFull(f"outbox {p} cannot be created: filesystem full ({err})") from err
-            raise
-        data = p / "data.mdb"
-        if data.exists():
-            # Reopen at least at the size the file already has: no replay of earlier doublings.
-            map_size = max(map_size, data.stat().st_size)
-            max_map_size = max(max_map_size, map_size)
-        key = str(p.resolve())
-        with _OPEN_PATHS_LOCK:
-            if key in _OPEN_PATHS:
-                raise OutboxError(f"outbox {p} is already open in this process (LMDB allows one handle per process)")
-            _OPEN_PATHS.add(key)
-        box = cls(p, map_size=map_size, max_map_size=max_map_size, sync=sync)
-        box._path_key = key
-        try:
-            box._open_env()
-            box._check_schema()
-            box._env.reader_check()
-        except BaseException:
-            box.close()
-            raise
-        return box
-
-    def _open_env(self) -> None:
-        try:
-            env = lmdb.open(
-                str(self._path),
-                map_size=self._map_size,
-                max_dbs=len(_DB_NAMES) + 1,
-                subdir=True,
-                sync=self._sync,
-                metasync=self._sync,
-                # Off: a full disk is then an error code on pwrite, not SIGBUS on a mapped page.
-                writemap=False,
-                readahead=False,
-                lock=True,
-            )
-        except lmdb.Error as err:
-            if self._is_disk_full(err):
-                raise self._full(f"cannot open: {err}") from err
-            raise OutboxError(f"cannot open outbox {self._path}: {err}") from err
-        self._dbs = {name: env.open_db(name) for name in _DB_NAMES}
-        self._env = env
-        self._map_size = env.info()["map_size"]
-
-    def _check_schema(self) -> None:
-        def fn(txn: Any) -> None:
-            raw = txn.get(b"schema", db=self._dbs[b"meta"])
-            if raw is None:
-                txn.put(b"schema", str(SCHEMA_VERSION).encode(), db=self._dbs[b"meta"])
-            elif int(raw) != SCHEMA_VERSION:
-                raise OutboxError(f"outbox {self._path} has schema {int(raw)}, this code reads {SCHEMA_VERSION}")
-
-        self._write(fn)
-
-    def close(self) -> None:
-        """Close the environment. Stop the flushing task first: a flush after close raises."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._env is not None:
-                self._env.close()
-                self._env = None
-            with _OPEN_PATHS_LOCK:
-                _OPEN_PATHS.discard(self._path_key)
-
-    def __enter__(self) -> Outbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def path(self) -> Path:
-        return self._path
-
-    @property
-    def map_size(self) -> int:
-        return self._map_size
+        return cls._open_store(path, map_size, max_map_size, False, lambda p, size, max_size: cls(
+            p, map_size=size, max_map_size=max_size, sync=sync))
 
     # -- operations --------------------------------------------------------------------------
 
@@ -351,92 +258,3 @@ class Outbox:
             self._flushing = False
         return sent
 
-    # -- transaction plumbing ----------------------------------------------------------------
-
-    def _require_env(self) -> Any:
-        if self._closed:
-            raise OutboxError(f"outbox {self._path} is closed")
-        if self._env is None:
-            self._open_env()  # a disk error closed it (see _heal); reopen now
-        return self._env
-
-    def _write(self, fn: Callable[[Any], T]) -> T:
-        """Run `fn` in one write transaction, committed (and fsynced) on return.
-
-        A full map is grown and `fn` re-run from scratch, so `fn` must derive everything from
-        the transaction."""
-        with self._lock:
-            while True:
-                env = self._require_env()
-                try:
-                    with env.begin(write=True) as txn:
-                        return fn(txn)
-                except lmdb.MapFullError:
-                    self._grow()
-                except lmdb.MapResizedError:
-                    env.set_mapsize(0)  # another process grew it; adopt its size and retry
-                    self._map_size = env.info()["map_size"]
-                except (lmdb.Error, OSError) as err:
-                    if self._is_disk_full(err):
-                        self._heal()
-                        raise self._full(f"the disk filled up during a commit (LMDB: {err})") from err
-                    raise OutboxError(f"outbox {self._path}: {err}") from err
-
-    def _read(self, fn: Callable[[Any], T]) -> T:
-        with self._lock:
-            for _ in range(2):
-                env = self._require_env()
-                try:
-                    with env.begin(write=False) as txn:
-                        return fn(txn)
-                except lmdb.MapResizedError:
-                    env.set_mapsize(0)
-                    self._map_size = env.info()["map_size"]
-            raise OutboxError(f"outbox {self._path}: map keeps being resized by another process")
-
-    def _grow(self) -> None:
-        if self._map_size >= self._max_map_size:
-            raise self._full(f"map size {self._map_size} bytes reached max_map_size {self._max_map_size}")
-        # Safe: we hold the lock and the failed transaction was aborted, so none of ours is open.
-        self._env.set_mapsize(min(self._map_size * 2, self._max_map_size))
-        self._map_size = self._env.info()["map_size"]
-        log.info("outbox.grown", extra={"map_size": self._map_size})
-
-    def _free_bytes(self) -> int:
-        st = os.statvfs(self._path)
-        return st.f_bavail * st.f_frsize
-
-    def _is_disk_full(self, err: BaseException) -> bool:
-        if isinstance(err, OSError):
-            return err.errno in (errno.ENOSPC, errno.EDQUOT)
-        msg = str(err)
-        if os.strerror(errno.ENOSPC) in msg or os.strerror(errno.EDQUOT) in msg:
-            return True
-        if isinstance(err, lmdb.DiskError) or os.strerror(errno.EIO) in msg:
-            try:
-                return self._free_bytes() < DISK_FULL_SLACK_BYTES
-            except OSError:
-                return False
-        return False
-
-    def _full(self, detail: str) -> OutboxFull:
-        try:
-            free = f"{self._free_bytes()} bytes free"
-        except OSError as err:
-            free = f"free space unknown ({err})"
-        return OutboxFull(
-            f"outbox {self._path} is full: {detail}; {free} on its filesystem. Nothing of this write"
-            f" was stored and pending entries are intact; free disk space (or raise max_map_size)."
-        )
-
-    def _heal(self) -> None:
-        """A failed commit that hit the meta page leaves the environment unusable; reopening rereads
-        the newest meta page that fully reached disk."""
-        try:
-            with self._env.begin(write=False):
-                pass
-        except lmdb.Error:
-            try:
-                self._env.close()
-            finally:
-                self._env = None

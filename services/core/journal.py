@@ -34,26 +34,23 @@ second handle would silently drop the first one's locks. `open` enforces it.
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import os
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
-import lmdb
+from services.core.lmdb_store import LmdbStore
 
 SCHEMA_VERSION = 1
 DEFAULT_MAP_SIZE = 64 << 20  # 64 MiB; with writemap off this is address space, not disk
 DEFAULT_MAX_MAP_SIZE = 64 << 30  # 64 GiB
 # LMDB reports a short write (disk filled up mid-write) as EIO, not ENOSPC. Below this many free
 # bytes we read such an EIO as "disk full"; above it, it is a real I/O error and we say so.
-DISK_FULL_SLACK_BYTES = 1 << 20
 _MAX_KEY_BYTES = 511  # LMDB's compiled-in maximum key size
 _ITER_CHUNK = 1024
 
@@ -223,22 +220,19 @@ def _unique(ids: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-def _free_bytes(path: Path) -> int:
-    # f_bavail, not f_bfree: the space an unprivileged writer gets; root may dip into the reserve
-    # but a journal that relies on it is already in trouble.
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-# A process may hold each LMDB environment only once (see module docstring).
-_OPEN_PATHS: set[str] = set()
-_OPEN_PATHS_LOCK = threading.Lock()
-
 _DB_NAMES = (b"tasks", b"live", b"meta", b"batches", b"results")
 
 
-class Journal:
+class Journal(LmdbStore):
     """The task journal. Create with `Journal.open(path)`; every method is synchronous."""
+
+    kind = "journal"
+    error = JournalError
+    full_error = JournalFull
+    db_names = _DB_NAMES
+    schema_version = SCHEMA_VERSION
+    full_advice = ("Nothing of this transaction was written and the last committed state is intact;"
+                   " free disk space (or raise max_map_size) and retry.")
 
     def __init__(
         self,
@@ -252,19 +246,10 @@ class Journal:
         trainable: Sequence[str],
         readonly: bool,
     ) -> None:
-        self._path = path
-        self._map_size = map_size
-        self._max_map_size = max_map_size
-        self._sync = sync
-        self._metasync = metasync
+        super().__init__(path, map_size=map_size, max_map_size=max_map_size, sync=sync, metasync=metasync,
+                         readonly=readonly)
         self._stages = frozenset(stages)
         self._trainable = tuple(trainable)
-        self._readonly = readonly
-        self._lock = threading.RLock()
-        self._env: Any = None
-        self._dbs: dict[bytes, Any] = {}
-        self._closed = False
-        self._path_key = ""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -287,123 +272,11 @@ class Journal:
         `trainable`: the services whose training batches are kept until each has checkpointed
         past them (`actor`, plus `critic` for PPO). Stale reader slots left by killed processes
         are cleared on open."""
-        if map_size <= 0 or max_map_size < map_size:
-            raise ValueError(f"need 0 < map_size <= max_map_size, got {map_size} and {max_map_size}")
         if not stages:
             raise ValueError("a journal needs at least one scoring stage")
-        p = Path(path).absolute()
-        try:
-            if not readonly:
-                p.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            if err.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise JournalFull(f"journal {p} cannot be created: filesystem full ({err})") from err
-            raise
-        data = p / "data.mdb"
-        if data.exists():
-            # Reopen at least at the size the file already has, so a restarted controller does
-            # not replay every doubling it went through before the crash.
-            map_size = max(map_size, data.stat().st_size)
-            max_map_size = max(max_map_size, map_size)
-        key = str(p.resolve()) if p.exists() else str(p)
-        with _OPEN_PATHS_LOCK:
-            if key in _OPEN_PATHS:
-                raise JournalError(
-                    f"journal {p} is already open in this process (LMDB allows one handle per process)"
-                )
-            _OPEN_PATHS.add(key)
-        j = cls(
-            p,
-            map_size=map_size,
-            max_map_size=max_map_size,
-            sync=sync,
-            metasync=metasync,
-            stages=stages,
-            trainable=trainable,
-            readonly=readonly,
-        )
-        j._path_key = key
-        try:
-            j._open_env()
-            j._check_schema()
-            j.reader_check()
-        except BaseException:
-            j.close()
-            raise
-        return j
-
-    def _open_env(self) -> None:
-        try:
-            env = lmdb.open(
-                str(self._path),
-                map_size=self._map_size,
-                max_dbs=len(_DB_NAMES) + 2,
-                subdir=True,
-                readonly=self._readonly,
-                create=not self._readonly,
-                sync=self._sync,
-                metasync=self._metasync,
-                # writemap stays off: pages are written with pwrite, so a full disk is an error
-                # code we can handle. With writemap a full filesystem turns into SIGBUS on the
-                # mapped page and kills the controller. Off also means the map size is only
-                # address space: growing it costs no disk.
-                writemap=False,
-                # Random access to small records; OS readahead would only pollute the page cache.
-                readahead=False,
-                lock=True,
-            )
-        except lmdb.Error as err:
-            if self._is_disk_full(err):
-                raise self._full(f"cannot open: {err}") from err
-            raise JournalError(f"cannot open journal {self._path}: {err}") from err
-        try:
-            self._dbs = {name: env.open_db(name, create=not self._readonly) for name in _DB_NAMES}
-        except lmdb.Error as err:
-            env.close()
-            raise JournalError(f"journal {self._path} is missing a sub-database: {err}") from err
-        self._env = env
-        self._map_size = env.info()["map_size"]
-
-    def _check_schema(self) -> None:
-        def fn(txn: Any) -> None:
-            meta = self._dbs[b"meta"]
-            raw = txn.get(b"schema", db=meta)
-            if raw is None and not self._readonly:
-                txn.put(b"schema", str(SCHEMA_VERSION).encode(), db=meta)
-            elif raw is not None and int(raw) != SCHEMA_VERSION:
-                raise JournalError(
-                    f"journal {self._path} has schema {int(raw)}, this code reads {SCHEMA_VERSION}"
-                )
-
-        if self._readonly:
-            self._read(fn)
-        else:
-            self._write(fn)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._env is not None:
-                self._env.close()
-                self._env = None
-            with _OPEN_PATHS_LOCK:
-                _OPEN_PATHS.discard(getattr(self, "_path_key", ""))
-
-    def __enter__(self) -> Journal:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def path(self) -> Path:
-        return self._path
-
-    @property
-    def map_size(self) -> int:
-        return self._map_size
+        return cls._open_store(path, map_size, max_map_size, readonly, lambda p, size, max_size: cls(
+            p, map_size=size, max_map_size=max_size, sync=sync, metasync=metasync, stages=stages,
+            trainable=trainable, readonly=readonly))
 
     @property
     def stages(self) -> frozenset[str]:
@@ -412,100 +285,6 @@ class Journal:
     @property
     def trainable(self) -> tuple[str, ...]:
         return self._trainable
-
-    # -- transaction plumbing ----------------------------------------------------------------
-
-    def _require_env(self) -> Any:
-        if self._closed:
-            raise JournalError(f"journal {self._path} is closed")
-        if self._env is None:
-            # A previous disk error left the environment closed (see _heal); reopen now.
-            self._open_env()
-        return self._env
-
-    def _write(self, fn: Callable[[Any], T]) -> T:
-        """Run `fn` in one write transaction; commit on return, abort on any exception.
-
-        A full map is grown (doubling, up to max_map_size) and `fn` re-run from scratch, so `fn`
-        must derive everything from the transaction and have no outside side effects."""
-        if self._readonly:
-            raise JournalError(f"journal {self._path} is open read-only")
-        with self._lock:
-            while True:
-                env = self._require_env()
-                try:
-                    with env.begin(write=True) as txn:
-                        return fn(txn)
-                except lmdb.MapFullError:
-                    self._grow()
-                except lmdb.MapResizedError:
-                    env.set_mapsize(0)  # another process grew it; adopt its size and retry
-                    self._map_size = env.info()["map_size"]
-                except (lmdb.Error, OSError) as err:
-                    if self._is_disk_full(err):
-                        self._heal()
-                        raise self._full(f"the disk filled up during a commit (LMDB: {err})") from err
-                    raise JournalError(f"journal {self._path}: {err}") from err
-
-    def _read(self, fn: Callable[[Any], T]) -> T:
-        with self._lock:
-            for _ in range(2):
-                env = self._require_env()
-                try:
-                    with env.begin(write=False) as txn:
-                        return fn(txn)
-                except lmdb.MapResizedError:
-                    env.set_mapsize(0)
-            raise JournalError(f"journal {self._path}: map keeps being resized by another process")
-
-    def _grow(self) -> None:
-        if self._map_size >= self._max_map_size:
-            raise self._full(f"map size {self._map_size} bytes reached max_map_size {self._max_map_size}")
-        new = min(self._map_size * 2, self._max_map_size)
-        # Safe: no transaction of this process is open (we hold the lock, the failed one aborted).
-        self._env.set_mapsize(new)
-        self._map_size = self._env.info()["map_size"]
-
-    def _is_disk_full(self, err: BaseException) -> bool:
-        if isinstance(err, OSError):
-            return err.errno in (errno.ENOSPC, errno.EDQUOT)
-        if isinstance(err, lmdb.DiskError):
-            return True
-        msg = str(err)
-        if os.strerror(errno.ENOSPC) in msg or os.strerror(errno.EDQUOT) in msg:
-            return True
-        # LMDB turns a short pwrite (the disk filled mid-write) into EIO; tell that apart from a
-        # failing device by looking at the space left.
-        if os.strerror(errno.EIO) in msg:
-            try:
-                return self.disk_free_bytes() < DISK_FULL_SLACK_BYTES
-            except OSError:
-                return False
-        return False
-
-    def _full(self, detail: str) -> JournalFull:
-        try:
-            free = f"{self.disk_free_bytes()} bytes free"
-        except OSError as err:
-            free = f"free space unknown ({err})"
-        return JournalFull(
-            f"journal {self._path} is full: {detail}; {free} on its filesystem. Nothing of this"
-            f" transaction was written and the last committed state is intact; free disk space"
-            f" (or raise max_map_size) and retry."
-        )
-
-    def _heal(self) -> None:
-        """After a failed commit LMDB normally just aborts the transaction. If the failure hit
-        the meta page it marks the environment fatal; then the only cure is to reopen it, which
-        rereads the newest valid meta page (the last commit that fully reached disk)."""
-        try:
-            with self._env.begin(write=False):
-                pass
-        except lmdb.Error:
-            try:
-                self._env.close()
-            finally:
-                self._env = None  # _require_env reopens on the next call
 
     # -- record helpers (inside a transaction) -----------------------------------------------
 
@@ -955,16 +734,6 @@ class Journal:
         return self._write(fn)
 
     # -- health: readers, disk ---------------------------------------------------------------
-
-    def reader_check(self) -> int:
-        """Clear reader slots of dead processes; returns how many. A stale slot pins the
-        snapshot it was reading, so LMDB cannot reuse freed pages and the file only grows."""
-        with self._lock:
-            return int(self._require_env().reader_check())
-
-    def disk_free_bytes(self) -> int:
-        """Bytes available to the journal on its filesystem."""
-        return _free_bytes(self._path)
 
     def has_space(self, min_free_bytes: int) -> bool:
         """False when fewer than `min_free_bytes` remain: stop admission and report not-ready
