@@ -97,13 +97,9 @@ class Limits(BaseModel):
         return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
     @property
-    def window(self) -> int:
-        """The admission bound: `in_flight <= admission_window`."""
-        return self.admission_window
-
-    @property
     def in_flight_ceiling(self) -> int:
-        return self.window if self.max_in_flight is None else self.max_in_flight
+        """Most tasks in flight: the admission window unless `max_in_flight` overrides it."""
+        return self.admission_window if self.max_in_flight is None else self.max_in_flight
 
     def queue_limit(self, stream: str) -> int | None:
         """Most entries `stream` may hold; None: unbounded (dead letters)."""
@@ -140,7 +136,7 @@ class Limits(BaseModel):
             "samples_per_step": self.samples_per_step,
             "stages": list(self.stages),
             "trainable": list(self.trainable),
-            "admission_window": self.window,
+            "admission_window": self.admission_window,
             "in_flight_ceiling": self.in_flight_ceiling,
             "queue_headroom": self.queue_headroom,
             "queue_limits": {c: self.queue_limit(c) for c in STREAM_CLASSES},
