@@ -25,7 +25,7 @@ GROUP = 2
 SAMPLES_PER_STEP = PROMPTS_PER_STEP * GROUP  # 4
 MAX_STALENESS = 1
 STREAM_CAPACITY = 8
-# Bounds the audit derives from that config (see services.audit's docstring):
+# Bounds the audit derives from that config (see services.audit.limits):
 CEILING = (MAX_STALENESS + 1) * SAMPLES_PER_STEP  # 8 tasks in flight at most
 ROLLOUTS_LIMIT = STREAM_CAPACITY + CEILING  # 16
 
