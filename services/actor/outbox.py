@@ -1,5 +1,5 @@
 """The actor's outbox: generated batches it could not publish (Redis down), kept in LMDB until Redis
-returns (DESIGN.md, "Durability").
+returns (docs/architecture.md, "Durability").
 
 Intended use (actor):
 

@@ -1,4 +1,4 @@
-"""The asynchronous Redis Streams bus between the services (DESIGN.md, "Contracts").
+"""The asynchronous Redis Streams bus between the services (docs/architecture.md, "Contracts").
 
 Streams per run: `rlfleet:<run>:prompts` (group "actor"), `rlfleet:<run>:rollouts` (one group per
 scoring stage: fan-out), `rlfleet:<run>:scores` (group "controller") and `rlfleet:<run>:dead`

@@ -319,6 +319,11 @@ class RunConfig(_Strict):
     def samples_per_step(self) -> int:
         return self.batch.prompts_per_step * self.algo.group_size
 
+    @property
+    def admission_window(self) -> int:
+        """Tasks the controller may have in flight: (max_staleness + 1) x samples_per_step."""
+        return (self.flow.max_staleness + 1) * self.samples_per_step
+
     def stages(self) -> list[ServiceName]:
         """Scoring stages this algorithm needs; a stage that is not needed is never started."""
         out: list[ServiceName] = []

@@ -137,22 +137,53 @@ class EventLog:
 
 
 def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
-    p = Path(path)
-    if not p.exists():
-        return
-    with p.open("rb") as f:
-        lineno = 0
-        for raw in f:
-            lineno += 1
-            if not raw.endswith(b"\n"):
-                # The final line of a file whose writer died mid-write; never acknowledged.
-                log.info("event log %s: skipping torn last line %d (%d bytes)", p, lineno, len(raw))
-                return
-            ev = _parse(raw)
-            if ev is None:
-                log.warning("event log %s: skipping unreadable line %d", p, lineno)
-                continue
-            yield ev
+    """Every whole event in `path`, in order, logging what it skips (see `EventReader`)."""
+    return iter(EventReader(path))
+
+
+class EventReader:
+    """The one parser of an event log: iterating yields every whole event in order, and leaves
+    behind what was skipped, for a caller that reports it (`rlfleet audit`).
+
+    Each iteration reads up to the file's size when it starts, so the counts stay consistent while
+    a live writer appends. A final line without its newline is torn (a writer that died, or is,
+    mid-write; never acknowledged): skipped and flagged in `torn`. A whole line that is not one
+    JSON object with a numeric `ts` and a string `kind` is skipped and counted in `unreadable`.
+    `quiet=True` logs nothing: for a caller that reports the counts itself."""
+
+    def __init__(self, path: str | os.PathLike[str], *, quiet: bool = False) -> None:
+        self.path = Path(path)
+        self.quiet = quiet
+        self.lines = 0  # whole lines read, readable or not
+        self.unreadable = 0
+        self.torn = False
+
+    def __iter__(self) -> Iterator[Event]:
+        self.lines, self.unreadable, self.torn = 0, 0, False
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as f:
+            left = os.fstat(f.fileno()).st_size
+            for raw in f:
+                if left <= 0:
+                    return
+                raw = raw[:left]
+                left -= len(raw)
+                if not raw.endswith(b"\n"):
+                    self.torn = True
+                    if not self.quiet:
+                        log.info(
+                            "event log %s: skipping torn last line %d (%d bytes)", self.path, self.lines + 1, len(raw)
+                        )
+                    return
+                self.lines += 1
+                ev = _parse(raw)
+                if ev is None:
+                    self.unreadable += 1
+                    if not self.quiet:
+                        log.warning("event log %s: skipping unreadable line %d", self.path, self.lines)
+                    continue
+                yield ev
 
 
 def _parse(raw: bytes) -> Event | None:
@@ -163,8 +194,8 @@ def _parse(raw: bytes) -> Event | None:
     if not isinstance(d, dict):
         return None
     ts, kind = d.pop("ts", None), d.pop("kind", None)
-    if not isinstance(kind, str) or not isinstance(ts, int | float) or isinstance(ts, bool):
-        return None
+    if not isinstance(kind, str) or not isinstance(ts, int | float) or isinstance(ts, bool) or ts != ts:
+        return None  # ts != ts: NaN, which json.loads accepts, orders nothing
     return Event(kind, d, float(ts))
 
 

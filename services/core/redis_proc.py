@@ -78,7 +78,7 @@ def start_redis(
     timeout_s: float = 10.0,
     log_name: str = "redis.log",
 ) -> RedisProcess:
-    """Start redis-server with AOF on and noeviction, as DESIGN.md requires, and wait for PING."""
+    """Start redis-server with AOF on and noeviction, as docs/architecture.md requires, and wait for PING."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host)
     args = [redis_server_binary()]

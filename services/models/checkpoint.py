@@ -8,7 +8,7 @@ Layout, one directory per service under a shared root:
                               meta.json               service, version, step, created_at, sha256 per file
     <root>/<service>/latest                           "v00000007": the acknowledged checkpoint
 
-Protocol (DESIGN.md, "Durability"): everything is written into a temporary directory beside the
+Protocol (docs/architecture.md, "Durability"): everything is written into a temporary directory beside the
 final one, every file and the directory are fsynced, the directory is renamed to its final name and
 the parent fsynced; only then is `latest` replaced (temp file, fsync, rename, fsync parent). A crash
 (kill -9) at any point leaves `latest` naming either the previous checkpoint or the new one, and
@@ -133,7 +133,7 @@ def save_checkpoint(
         if floor is not None and version < floor:
             raise CheckpointError(
                 f"refusing to save {service} version {version} to {final}: version {floor} is already"
-                " checkpointed and versions never go back (DESIGN.md invariant 4)"
+                " checkpointed and versions never go back (invariant 4, docs/architecture.md)"
             )
         if floor is not None and version == floor and pointed is not None:
             try:

@@ -4,6 +4,9 @@ event log, a clean run passes, and every injected violation is caught and named.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,12 +19,13 @@ from services.core.config import parse_config
 from services.core.events import EventLog
 from services.core.journal import Journal, TaskSpec
 
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS_PER_STEP = 2
 GROUP = 2
 SAMPLES_PER_STEP = PROMPTS_PER_STEP * GROUP  # 4
 MAX_STALENESS = 1
 STREAM_CAPACITY = 8
-# Bounds the audit derives from that config (see services.audit's docstring):
+# Bounds the audit derives from that config (see services.audit.limits):
 CEILING = (MAX_STALENESS + 1) * SAMPLES_PER_STEP  # 8 tasks in flight at most
 ROLLOUTS_LIMIT = STREAM_CAPACITY + CEILING  # 16
 
@@ -491,3 +495,48 @@ def test_an_open_journal_handle_can_be_passed_in(run: Run) -> None:
 )
 def test_stream_names_are_classified_by_segment(key: str, cls: str) -> None:
     assert stream_class(key) == cls
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({"max_staleness": -1}, "limits['max_staleness'] must be a non-negative integer, got -1"),
+        ({"disk_bytes": True}, "limits['disk_bytes'] must be a non-negative integer, got True"),
+        ({"queue_headroom": 0}, "limits['queue_headroom'] must be a positive number, got 0"),
+        ({"rss_bytes": {"actor": 1.5}}, "limits['rss_bytes'] must be a non-negative integer or a dict service"),
+        ({"stages": 5}, "limits['stages'] must be a list of stage names, got 5"),
+    ],
+)
+def test_a_bad_limit_value_is_one_line_naming_it_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], limits: dict[str, Any], message: str
+) -> None:
+    r = Run(tmp_path, fleet_yaml=False)  # without fleet.yaml the config limits come from the caller
+    r.full_step()
+    r.close()
+    assert audit_main(r.dir, limits=limits) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_python_dash_m_services_audit_is_the_audit_command(run: Run) -> None:
+    clean(run)
+    run.close()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ok = subprocess.run(
+        [sys.executable, "-m", "services.audit", "--run-dir", str(run.dir)], capture_output=True, text=True, env=env
+    )
+    assert ok.returncode == EXIT_OK, ok.stderr
+    assert "RESULT: PASS (all five invariants hold)" in ok.stdout
+    as_json = subprocess.run(
+        [sys.executable, "-m", "services.audit", "--run-dir", str(run.dir), "--json", "--running"],
+        capture_output=True, text=True, env=env,
+    )
+    doc = json.loads(as_json.stdout)
+    assert doc["ok"] is True and doc["finished_reason"] == "as told by the caller" and doc["finished"] is False
+    gone = subprocess.run(
+        [sys.executable, "-m", "services.audit", "--run-dir", str(run.dir / "nowhere")],
+        capture_output=True, text=True, env=env,
+    )
+    assert gone.returncode == EXIT_ERROR
+    assert gone.stderr.strip().splitlines() == [f"rlfleet audit: run directory {run.dir / 'nowhere'} does not exist"]
