@@ -82,7 +82,7 @@ class Fleet:
 
     # -- start-up --------------------------------------------------------------------------------
     def prepare(self) -> RunConfig:
-        from services.local import prepare as prepare_models
+        from services.models.roles import prepare as prepare_models
 
         self.plan = self.place(self.base_cfg)  # before anything starts: an impossible placement stops here
         self.run_dir.mkdir(parents=True, exist_ok=True)

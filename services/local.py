@@ -7,21 +7,21 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from services.core.config import RunConfig
 from services.core.ids import generation_seed, task_id
-from services.models.engine import GenerationEngine, SamplingParams, completions_to_rollout, make_engine
-from services.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+from services.models.engine import GenerationEngine, SamplingParams, completions_to_rollout
+from services.models.factory import make_engine
+from services.models.loading import load_causal_lm
+from services.models.roles import critic_path, prepare, reward_model_path
 from services.reference.scorer import ReferenceScorer
 from services.reward.scorer import RewardScorer
 from services.rl import batch as rb
 from services.rl.pipeline import compute_advantages
 from services.rl.trainer import PolicyTrainer, ValueTrainer
-from services.tasks import load_task
 from services.tasks.base import Task
 
 log = logging.getLogger("rlfleet.local")
@@ -53,23 +53,6 @@ def generate_message(
     params = sampling_params(cfg, tokenizer, generation_seed(cfg.run.seed, first_index))
     comps = engine.generate(flat, params)
     return completions_to_rollout(tids, flat, comps, groups, engine.version, tokenizer.pad_token_id)
-
-
-@dataclass
-class Roles:
-    """Everything a run needs besides the policy: built once, shared by the local loop's steps."""
-
-    task: Task
-    tokenizer: object
-    policy_path: Path
-
-
-def prepare(cfg: RunConfig) -> Roles:
-    """Resolve (and if needed build) the models; the fleet's `rlfleet up` calls this before starting
-    services so no two processes race to build the same model."""
-    task = load_task(cfg.task)
-    path = resolve_model_path(cfg.models.policy, "policy", task, cfg.run_dir, cfg.run.seed)
-    return Roles(task=task, tokenizer=load_tokenizer(path), policy_path=path)
 
 
 def evaluate(cfg: RunConfig, engine: GenerationEngine, task: Task, tokenizer, scorer: RewardScorer) -> float:  # type: ignore[no-untyped-def]
@@ -162,18 +145,3 @@ def run_local(
             on_step(row)
     return metrics_path
 
-
-def reward_model_path(cfg: RunConfig) -> Path | None:
-    spec = cfg.models.reward
-    if spec is None:
-        return None
-    if spec.path is None or not Path(spec.path).is_dir():
-        raise FileNotFoundError(f"models.reward.path: reward model directory not found: {spec.path}")
-    return Path(spec.path)
-
-
-def critic_path(cfg: RunConfig, policy_path: Path) -> Path:
-    spec = cfg.models.critic
-    if spec is None or spec.path is None:
-        return policy_path
-    return Path(spec.path)

@@ -68,7 +68,7 @@ def prepare(cfg: RunConfig, redis_url: str | None, *, password_env: str | None =
     if resolved.redis.url is None:
         raise ConfigError("redis.url is not set: pass --redis-url (or set redis.url in the config)")
     if build_models:
-        from services.local import prepare as prepare_models
+        from services.models.roles import prepare as prepare_models
 
         prepare_models(resolved)
     _write(resolved.run_dir / "fleet.yaml", yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False))

@@ -10,7 +10,7 @@ from services.core.config import load_config
 from services.core.entry import quiet_torch
 from services.core.redis_proc import RedisProcess, start_redis
 from services.fleet import Fleet
-from services.models.loading import resolve_model_path
+from services.models.paths import resolve_model_path
 from services.tasks import load_task
 from tests.fleet_helpers import EXAMPLE
 

@@ -35,7 +35,8 @@ from services.core.wire import (
     train_batch_from_proto,
 )
 from services.core.worker import Rejected, StreamWorker
-from services.models.engine import EngineError, SamplingParams, completions_to_rollout, make_engine
+from services.models.engine import EngineError, SamplingParams, completions_to_rollout
+from services.models.factory import make_engine
 from services.models.loading import load_causal_lm, load_tokenizer
 from services.rl.trainer import PolicyTrainer
 
@@ -97,10 +98,7 @@ class Actor:
                 await self.outbox.flush(self._publish_raw)
             await self.bus.close()
         self.outbox.close()
-        from services.models.engine_proc import ProcessEngine
-
-        if isinstance(self.engine, ProcessEngine):  # stop the child now, not at interpreter exit
-            await asyncio.to_thread(self.engine.close)
+        await asyncio.to_thread(self.engine.close)  # a process engine's child stops now, not at exit
 
     # -- backpressure --------------------------------------------------------------------------------
     async def gate(self) -> None:
@@ -220,7 +218,7 @@ class Actor:
 
     async def watch_engine(self) -> None:
         """Fail fast when the engine's own process (generation.process) has died."""
-        while getattr(self.engine, "alive", True):
+        while self.engine.alive:
             await asyncio.sleep(1.0)
         raise EngineError("the generation engine's process died; the actor stops so that it is restarted")
 

@@ -170,7 +170,7 @@ class GenerationSection(_Strict):
     process: bool = False
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `services.models.engine.make_engine`."""
+        """Keyword arguments for `services.models.factory.make_engine`."""
         kw: dict[str, Any] = {"device": self.device, "micro_batch": self.micro_batch, "process": self.process}
         if self.engine == "vllm":
             kw.update(self.vllm.engine_options())

@@ -15,8 +15,8 @@ from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.scoring import ScoringService
 from services.core.trainable import Trainable
 from services.core.wire import WireError, check_schema_version, message, train_batch_from_proto
-from services.local import critic_path
 from services.models.critic import ValueModel
+from services.models.roles import critic_path
 from services.rl.batch import Rollout
 from services.rl.trainer import ValueTrainer
 

@@ -1,7 +1,11 @@
-"""Model and tokenizer loading, tiny task models, the value head, reward models and generation engines.
+"""Models of a run and the generation engines. Dependencies point down this list, never up:
 
-Modules: `tokenizer` (task tokenizers), `tiny` (build + warm up a tiny model), `loading` (resolve and
-load local model directories), `logprobs` (per-token response log-probs), `critic` (ValueModel),
-`reward_model` (sequence-classifier rewards), `engine` (the generation-engine interface and factory)
-and `hf_engine` (the transformers backend).
+- `roles` (the models of a run's roles, prepared once) -> `paths` (resolve a role's model directory,
+  building a tiny one) -> `tiny`, `reward_model` (tiny-model builders) -> `loading` (load local model
+  directories), `tokenizer`, `atomic` (publish a built directory atomically).
+- `factory.make_engine` (in process or in a child process) -> `engine_proc` (`ProcessEngine`) ->
+  `backends` (the in-process backends by name) -> `hf_engine`, `vllm_engine` (+ `vllm_adapter`) ->
+  `gate` (pause/abort/in-flight), `weights` (strict weight sync) -> `engine` (the interface).
+- `checkpoint` (crash-safe save/load/prune) -> `checkpoint_optim`, `checkpoint_layout` -> `durable`.
+- `critic` (ValueModel), `logprobs` (per-token response log-probs).
 """

@@ -1,4 +1,5 @@
-"""The generation-engine interface the actor and the local loop use, and the engine factory.
+"""The generation-engine interface the actor and the local loop use (build one with
+`services.models.factory.make_engine`).
 
 Contract every backend keeps (pinned by tests/unit/test_engine_contract.py):
 
@@ -20,26 +21,22 @@ Contract every backend keeps (pinned by tests/unit/test_engine_contract.py):
   engine's model in place. It is strict: every parameter must be given (a tied alias counts for its
   twin), no unknown name, no shape mismatch, else `WeightSyncError` naming the offenders and nothing
   is changed. Versions never go backwards.
+- `alive` is False once the engine can serve no more calls (its process died, or it was closed);
+  `close()` releases what the engine holds (a child process, GPU memory) and may be called twice.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
 from services.rl.batch import Rollout
 
-log = logging.getLogger(__name__)
-
 FinishReason = Literal["stop", "length", "abort"]
-ENGINE_NAMES: tuple[str, ...] = ("transformers", "vllm")
 
 
 class EngineError(RuntimeError):
@@ -108,54 +105,20 @@ class GenerationEngine(Protocol):
 
     def abort(self) -> None: ...
 
+    @property
+    def alive(self) -> bool: ...
 
-def _vllm_status() -> str | None:
-    """None when the vLLM backend can run here (vllm importable and a CUDA GPU), else why not."""
-    if importlib.util.find_spec("vllm") is None:
-        return "generation engine 'vllm' needs the 'vllm' package, which is not importable here" \
-               " (install it with: pip install 'rlfleet[vllm]', or use engine: transformers)"
-    from services.models.vllm_engine import vllm_unavailable_reason
-
-    return vllm_unavailable_reason()
+    def close(self) -> None: ...
 
 
-def available_engines() -> dict[str, str | None]:
-    """Every backend name mapped to None when it can run here, else the reason it cannot."""
-    return {"transformers": None, "vllm": _vllm_status()}
-
-
-def make_engine(
-    name: str,
-    model_path: Path,
-    *,
-    dtype: str = "float32",
-    device: str = "cpu",
-    micro_batch: int = 0,
-    process: bool = False,
-    **options: Any,
-) -> GenerationEngine:
-    """`options` go to the backend (vLLM: gpu_memory_utilization, enforce_eager, max_model_len, ...).
-    `process=True` runs the engine in a child process of its own (`services.models.engine_proc`)."""
-    if process:
-        if name not in ENGINE_NAMES:
-            raise EngineError(f"unknown generation engine {name!r}; known: {', '.join(ENGINE_NAMES)}")
-        from services.models.engine_proc import ProcessEngine
-
-        return ProcessEngine(name, model_path, dtype=dtype, device=device, micro_batch=micro_batch, **options)
-    if name == "transformers":
-        from services.models.hf_engine import TransformersEngine
-
-        if options:
-            raise EngineError(f"engine 'transformers' takes no options; got {', '.join(sorted(options))}")
-        return TransformersEngine.from_path(model_path, dtype=dtype, device=device, micro_batch=micro_batch)
-    if name == "vllm":
-        reason = _vllm_status()
-        if reason is not None:
-            raise EngineUnavailable(reason)
-        from services.models.vllm_engine import VLLMEngine
-
-        return VLLMEngine.from_path(model_path, dtype=dtype, device=device, micro_batch=micro_batch, **options)
-    raise EngineError(f"unknown generation engine {name!r}; known: {', '.join(ENGINE_NAMES)}")
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    """Every prompt non-empty and inside the vocabulary, else an `EngineError` naming the first bad one."""
+    for i, p in enumerate(prompts):
+        if not p:
+            raise EngineError(f"prompt {i} is empty; a prompt needs at least one token (e.g. BOS)")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise EngineError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 def completions_to_rollout(

@@ -8,7 +8,7 @@ run"). A child process has its own interpreter, so generation and the update ove
 
 How:
 - The child is started with the `spawn` method (CUDA cannot be forked) and builds the real engine
-  with `make_engine`; the parent waits for its `ready` message, or raises with the child's exit code.
+  with `backends.build_engine`; the parent waits for its `ready` message, or raises with the child's exit code.
 - Requests (`generate`, `score`, `update_weights`, `describe`, `close`) go over one pipe, one at a
   time; `abort` goes over a second pipe that a control thread in the child serves while the main
   thread is busy generating, so an abort reaches a call in flight.
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from services.models.backends import build_engine
 from services.models.engine import (
     Completion,
     EngineError,
@@ -43,8 +44,8 @@ from services.models.engine import (
     GenerationEngine,
     SamplingParams,
     WeightSyncError,
-    make_engine,
 )
+from services.models.gate import CallGate
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class EngineDied(EngineError):
 def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str, Any], threads: int) -> None:
     torch.set_num_threads(threads)
     try:
-        engine = make_engine(name, Path(path), **kw)
+        engine = build_engine(name, Path(path), **kw)
     except Exception as err:
         conn.send(("error", type(err).__name__, str(err)))
         return
@@ -131,9 +132,7 @@ def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[st
             conn.send(("ok", out))
         except Exception as err:
             conn.send(("error", type(err).__name__, str(err)))
-    close = getattr(engine, "close", None)
-    if callable(close):
-        close()
+    engine.close()
 
 
 def _describe(engine: GenerationEngine) -> dict[str, Any]:
@@ -142,7 +141,7 @@ def _describe(engine: GenerationEngine) -> dict[str, Any]:
 
 
 class ProcessEngine:
-    """A `GenerationEngine` whose real engine (`name`, built by `make_engine`) lives in a child process."""
+    """A `GenerationEngine` whose real engine (`name`, built by `build_engine`) lives in a child process."""
 
     def __init__(self, name: str, model_path: Path, start_timeout_s: float = 900.0, **kw: Any) -> None:
         ctx = mp.get_context("spawn")
@@ -156,10 +155,7 @@ class ProcessEngine:
         child_ctrl.close()
         self._lock = threading.Lock()  # one request on the main pipe at a time
         self._ctrl_lock = threading.Lock()
-        self._cv = threading.Condition()
-        self._paused = False
-        self._in_flight = 0
-        self._epoch = 0  # bumped by abort(); a generate call carries the epoch it started in
+        self._gate = CallGate()  # a generate call carries the abort epoch it started in to the child
         self._dead: str | None = None
         msg = self._wait_ready(start_timeout_s)
         self._version = int(msg["version"])
@@ -193,7 +189,7 @@ class ProcessEngine:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self._gate.in_flight
 
     @property
     def alive(self) -> bool:
@@ -218,18 +214,9 @@ class ProcessEngine:
         return msg[1]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        with self._cv:
-            while self._paused:
-                self._cv.wait()
-            self._in_flight += 1
-            epoch = self._epoch
-        try:
+        with self._gate.call() as epoch:
             out: list[Completion] = self._call("generate", prompts, params, epoch)
             return out
-        finally:
-            with self._cv:
-                self._in_flight -= 1
-                self._cv.notify_all()
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         out: list[list[float]] = self._call("score", sequences)
@@ -241,23 +228,16 @@ class ProcessEngine:
         self._version = int(self._call("update_weights", named, version))
 
     def pause(self) -> None:
-        with self._cv:
-            self._paused = True
-            while self._in_flight:
-                self._cv.wait()
+        self._gate.pause()
 
     def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
+        self._gate.resume()
 
     def abort(self) -> None:
         with self._ctrl_lock:
             if not self.alive:
                 return
-            with self._cv:
-                self._epoch += 1
-                epoch = self._epoch
+            epoch = self._gate.abort()
             try:
                 self._ctrl.send(("abort", epoch))
                 self._ctrl.recv()  # the child has aborted every call started before this one

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.models.engine import Completion, EngineError, FinishReason, SamplingParams, WeightSyncError
+from services.models.engine import Completion, EngineError, FinishReason, SamplingParams, check_prompts
+from services.models.gate import CallGate
+from services.models.loading import load_causal_lm, load_tokenizer
 from services.models.logprobs import accepts_kwarg, position_ids_from_mask
+from services.models.weights import check_version, check_weights, unique_named
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +102,12 @@ class TransformersEngine:
         emb = model.get_input_embeddings()  # type: ignore[operator]
         self._vocab = int(emb.num_embeddings)
         self._device = emb.weight.device
-        self._cv = threading.Condition()
-        self._paused = False
-        self._updating = False
-        self._in_flight = 0
-        self._abort_epoch = 0
+        self._gate = CallGate()
 
     @classmethod
     def from_path(
         cls, path: Path, *, dtype: str = "float32", device: str = "cpu", micro_batch: int = 0
     ) -> TransformersEngine:
-        from services.models.loading import load_causal_lm, load_tokenizer
-
         tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype=dtype, device=device)
         eos: list[int] = []
@@ -137,39 +133,32 @@ class TransformersEngine:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self._gate.in_flight
+
+    @property
+    def alive(self) -> bool:
+        return True  # the engine lives in the caller's process
 
     @property
     def model(self) -> nn.Module:
         return self._model
 
     def pause(self) -> None:
-        with self._cv:
-            self._paused = True
-            self._cv.wait_for(lambda: self._in_flight == 0)
+        self._gate.pause()
 
     def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
+        self._gate.resume()
 
     def abort(self) -> None:
-        with self._cv:
-            self._abort_epoch += 1
+        self._gate.abort()
+
+    def close(self) -> None:
+        """Nothing to release: the model goes with the engine object."""
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        for i, p in enumerate(prompts):
-            if not p:
-                raise EngineError(f"prompt {i} is empty; a prompt needs at least one token (e.g. BOS)")
-            bad = [t for t in p if not 0 <= t < self._vocab]
-            if bad:
-                raise EngineError(f"prompt {i} has token ids outside the vocabulary [0, {self._vocab}): {bad[:5]}")
-        with self._cv:
-            self._cv.wait_for(lambda: not self._paused and not self._updating)
-            self._in_flight += 1
-            epoch = self._abort_epoch
-        try:
+        check_prompts(prompts, self._vocab)
+        with self._gate.call() as epoch:
             generator = torch.Generator(device=self._device)
             generator.manual_seed(params.seed)
             stop = torch.tensor(sorted(set(self._eos) | set(params.stop_token_ids)), device=self._device)
@@ -177,15 +166,11 @@ class TransformersEngine:
             out: list[Completion] = []
             for start in range(0, len(prompts), step):
                 chunk = prompts[start:start + step]
-                if self._abort_epoch != epoch:
+                if self._gate.aborted(epoch):
                     out.extend(Completion([], [], "abort") for _ in chunk)
                 else:
                     out.extend(self._generate_chunk(chunk, params, stop, generator, epoch))
             return out
-        finally:
-            with self._cv:
-                self._in_flight -= 1
-                self._cv.notify_all()
 
     @torch.no_grad()
     def _generate_chunk(
@@ -216,7 +201,7 @@ class TransformersEngine:
         cache: Any = None
         step_ids, step_pos = ids, positions
         for t in range(n):
-            if self._abort_epoch != epoch:
+            if self._gate.aborted(epoch):
                 aborted = True
                 break
             kwargs: dict[str, Any] = {self._cache_kw: cache}
@@ -260,35 +245,11 @@ class TransformersEngine:
 
     # -- weights -------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        incoming: dict[str, torch.Tensor] = {}
-        dupes: list[str] = []
-        for name, tensor in named_tensors:
-            if name in incoming:
-                dupes.append(name)
-            incoming[name] = tensor
-        if dupes:
-            raise WeightSyncError(f"update_weights got names more than once: {_names(dupes)}")
-        with self._cv:
-            self._cv.wait_for(lambda: not self._updating)
-            if version < self._version:
-                raise WeightSyncError(
-                    f"update_weights version {version} is older than the engine's version {self._version}"
-                )
-            self._updating = True
-            self._cv.wait_for(lambda: self._in_flight == 0)
-        try:
+        incoming = unique_named(named_tensors)
+        with self._gate.exclusive(lambda: check_version(version, self._version)):
             load_strict(self._model, incoming)
             self._version = version
             log.info("engine weights updated to version %d (%d tensors)", version, len(incoming))
-        finally:
-            with self._cv:
-                self._updating = False
-                self._cv.notify_all()
-
-
-def _names(names: Sequence[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" … ({len(names)} in all)" if len(names) > limit else "")
 
 
 def load_strict(model: nn.Module, incoming: dict[str, torch.Tensor]) -> None:
@@ -298,26 +259,11 @@ def load_strict(model: nn.Module, incoming: dict[str, torch.Tensor]) -> None:
     enough. Raises `WeightSyncError` naming unknown, missing and mis-shaped tensors.
     """
     state = model.state_dict(keep_vars=True)
-    unknown = sorted(set(incoming) - set(state))
-    mismatched = [
-        f"{n} (got {tuple(t.shape)}, expected {tuple(state[n].shape)})"
-        for n, t in incoming.items()
-        if n in state and tuple(t.shape) != tuple(state[n].shape)
-    ]
     groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
     for n, t in state.items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         groups.setdefault(key, []).append(n)
-    missing = sorted(names[0] for names in groups.values() if not any(n in incoming for n in names))
-    problems = []
-    if unknown:
-        problems.append(f"unknown names: {_names(unknown)}")
-    if missing:
-        problems.append(f"missing names: {_names(missing)}")
-    if mismatched:
-        problems.append(f"shape mismatch: {_names(mismatched)}")
-    if problems:
-        raise WeightSyncError("update_weights rejected, nothing changed; " + "; ".join(problems))
+    check_weights(incoming, {n: tuple(t.shape) for n, t in state.items()}, groups.values())
     with torch.no_grad():
         for n, t in incoming.items():
             state[n].copy_(t)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import (
@@ -15,10 +14,6 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
-
-from services.core.config import ModelSpec
-from services.models.tiny import read_model_info
-from services.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -49,50 +44,6 @@ def _require_model_dir(path: Path, what: str) -> Path:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{what} directory {path} has no config.json (not a transformers model directory)")
     return path
-
-
-def _spec_mismatch(info: dict[str, Any], spec: ModelSpec, task: Task, seed: int) -> list[str]:
-    assert spec.build is not None
-    want = {"task": task.name, "task_params": dict(task.params), "spec": spec.build.model_dump(), "seed": seed}
-    return [k for k, v in want.items() if info.get(k) != v]
-
-
-def resolve_model_path(spec: ModelSpec, role: str, task: Task, run_dir: Path, seed: int) -> Path:
-    """The local directory of the model for `role`, building a tiny model there when asked to.
-
-    `spec.path` (or `run_dir/models/<role>` when unset) is returned as is when it exists. When it does
-    not and `spec.build` is set, a tiny model is built there (a sequence classifier for role "reward",
-    a causal LM otherwise). A directory we built for a different task, spec or seed is an error rather
-    than a silent reuse of the wrong model.
-    """
-    path = Path(spec.path) if spec.path is not None else Path(run_dir) / "models" / role
-    empty_dir = path.is_dir() and not any(path.iterdir())
-    if path.exists() and not empty_dir:
-        if not path.is_dir():
-            raise ModelLoadError(f"models.{role}: path {path} is not a directory")
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"models.{role}: {path} exists but has no config.json (not a model directory)")
-        info = read_model_info(path)
-        if spec.build is not None and info is not None:
-            diff = _spec_mismatch(info, spec, task, seed)
-            if diff:
-                raise ModelLoadError(
-                    f"models.{role}: {path} holds a tiny model built with a different {', '.join(diff)};"
-                    f" delete it to rebuild, or point models.{role}.path elsewhere"
-                )
-        return path
-    if spec.build is None:
-        state = "is empty" if empty_dir else "does not exist"
-        raise ModelLoadError(f"models.{role}: model directory {path} {state} and models.{role}.build"
-                             " is not set (set 'build' to build a tiny model there)")
-    log.info("building tiny %s model for role %s at %s", spec.build.arch, role, path)
-    if role == "reward":
-        from services.models.reward_model import build_tiny_reward_model
-
-        return build_tiny_reward_model(task, path, seed, spec.build)
-    from services.models.tiny import build_tiny_model
-
-    return build_tiny_model(task, spec.build, path, seed)
 
 
 # Tokenizer classes that mean "exactly what tokenizer.json says" (our tiny-model tokenizers save as these).

@@ -189,12 +189,3 @@ def build_tiny_model(task: Task, spec: TinyModelSpec, out_dir: Path, seed: int) 
     log.info("built tiny %s model for %s at %s in %.1fs: warm-up loss %.3f, eval reward %.3f (T=1) %.3f (greedy)",
              spec.arch, task.name, out_dir, seconds, loss, reward_t1, reward_greedy)
     return out_dir
-
-
-def read_model_info(path: Path) -> dict[str, Any] | None:
-    """The `rlfleet_model.json` of a directory we built, or None for a foreign model directory."""
-    marker = Path(path) / MARKER
-    if not marker.is_file():
-        return None
-    data: dict[str, Any] = json.loads(marker.read_text())
-    return data

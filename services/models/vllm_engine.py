@@ -12,7 +12,7 @@ The engine keeps the contract of `services.models.engine` (the transformers back
   default) is `log_softmax(logits)` before temperature, and `processed_logprobs` is taken after
   temperature AND after top-k/top-p (renormalised over the kept tokens). The two agree with ours only at
   temperature 1 (raw) or without top-k/top-p (processed). So the engine runs in `processed_logprobs`
-  mode and wraps the worker's sampler (`_patch_sampler`) so that the "processed" tensor it scores is
+  mode and wraps the worker's sampler (`vllm_adapter.patch_sampler`) so that the "processed" tensor it scores is
   `logits.float() / temperature` taken before any filtering (greedy rows: `logits.float()`). Sampling
   itself is untouched. `scoring` in `describe()` says which path is active.
 - Sampling is seeded per request: row i of a call gets seed `mix(params.seed, i)`, so the same prompts,
@@ -46,8 +46,11 @@ from services.models.engine import (
     EngineUnavailable,
     FinishReason,
     SamplingParams,
-    WeightSyncError,
+    check_prompts,
 )
+from services.models.gate import CallGate
+from services.models.vllm_adapter import finish_reason, load_bucket, model_param_info, patch_sampler, sampled_logprobs
+from services.models.weights import check_version, check_weights, unique_named
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,6 @@ VLLM_VERSION = "0.26.0"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.35  # colocated with a trainer on one GPU: leave it the rest
 DEFAULT_SYNC_BUCKET_MB = 512
 _SEED_MOD = 2**31 - 1
-_GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 
 
 def vllm_unavailable_reason() -> str | None:
@@ -142,73 +144,6 @@ def _eos_ids(model_path: Path) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-# -- worker-side functions (run through collective_rpc, in this process) ---------------------------
-def _worker(w: Any) -> Any:
-    return getattr(w, "worker", None) or w
-
-
-def _patch_sampler(w: Any) -> str:
-    """Make the sampler's "processed" log-probs `log_softmax(logits / T)` before top-k/top-p."""
-    runner = _worker(w).model_runner
-    sampler = getattr(runner, "sampler", None)
-    if sampler is None:
-        return "unpatched: no sampler"
-    mod = type(sampler).__module__
-    if getattr(sampler, "_rlfleet_patched", False):
-        return sampler._rlfleet_patched
-    orig = sampler.sample
-
-    if mod.startswith("vllm.v1.worker.gpu.sample"):  # model runner V2 (default for dense models)
-        def sample_v2(logits: torch.Tensor, expanded_idx_mapping: torch.Tensor, idx_mapping_np: Any,
-                      pos: torch.Tensor, input_ids: torch.Tensor, expanded_local_pos: torch.Tensor,
-                      return_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-            scored = None
-            if return_logprobs:
-                t = sampler.sampling_states.temperature.gpu[expanded_idx_mapping].float()
-                t = torch.where(t < _GREEDY_EPS, torch.ones_like(t), t)
-                scored = logits.float() / t.unsqueeze(-1)  # a new tensor: the sampler mutates `logits`
-            sampled, processed = orig(logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
-                                      expanded_local_pos, return_logprobs=return_logprobs)
-            return sampled, (scored if scored is not None else processed)
-
-        sampler.sample = sample_v2
-        sampler.logprobs_mode = "processed_logprobs"  # scores (log_softmax of) what sample returns
-        sampler._rlfleet_patched = "v2: log_softmax(logits/T) before top-k/top-p"
-        return sampler._rlfleet_patched
-
-    if mod.startswith("vllm.v1.sample"):  # model runner V1
-        def sample_v1(logits: torch.Tensor, sampling_metadata: Any, logprobs_mode_override: Any = None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-            scored = None
-            if sampling_metadata.max_num_logprobs is not None:
-                t = sampling_metadata.temperature
-                x = logits.float()
-                if t is not None:
-                    t = torch.where(t < _GREEDY_EPS, torch.ones_like(t), t).float()
-                    x = x / t.unsqueeze(-1)
-                scored = x.log_softmax(dim=-1)
-            sampled, processed = orig(logits, sampling_metadata, logprobs_mode_override)
-            return sampled, (scored if scored is not None else processed)
-
-        sampler.sample = sample_v1
-        sampler.logprobs_mode = "processed_logprobs"
-        sampler._rlfleet_patched = "v1: log_softmax(logits/T) before top-k/top-p"
-        return sampler._rlfleet_patched
-    return f"unpatched: unknown sampler {mod}.{type(sampler).__name__}"
-
-
-def _load_bucket(w: Any, bucket: list[tuple[str, torch.Tensor]]) -> int:
-    model = _worker(w).get_model()
-    with torch.inference_mode():  # vLLM may have made its parameters under inference mode
-        loaded = model.load_weights(weights=iter(bucket))
-    return len(loaded) if loaded is not None else len(bucket)
-
-
-def _model_param_info(w: Any) -> tuple[str, str]:
-    p = next(_worker(w).get_model().parameters())
-    return str(p.device), str(p.dtype).removeprefix("torch.")
-
-
 class VLLMEngine:
     """vLLM's `LLMEngine`, driven step by step from `generate`. Thread-safe like the transformers
     backend: generate, pause, resume, abort and update_weights may come from different threads (one
@@ -239,16 +174,12 @@ class VLLMEngine:
         self._bucket_bytes = max(1, int(sync_bucket_mb)) * 2**20
         self._version = version
         self._options = dict(options or {})
-        self._cv = threading.Condition()
+        self._gate = CallGate()
         self._engine_lock = threading.Lock()  # one driver of the vLLM engine at a time
-        self._paused = False
-        self._updating = False
-        self._in_flight = 0
-        self._abort_epoch = 0
         self._calls = 0
         self.last_sync: dict[str, float] = {}
-        self._scoring = self._llm.collective_rpc(_patch_sampler)[0]
-        self._device, self._dtype = self._llm.collective_rpc(_model_param_info)[0]
+        self._scoring = self._llm.collective_rpc(patch_sampler)[0]
+        self._device, self._dtype = self._llm.collective_rpc(model_param_info)[0]
         if not self._scoring.startswith(("v1", "v2")):
             log.warning("vLLM sampler not patched (%s): log-probs are exact only at temperature 0 or 1"
                         " without top-k/top-p", self._scoring)
@@ -305,7 +236,7 @@ class VLLMEngine:
             gpu_memory_utilization=util,
             enforce_eager=eager,
             enable_prefix_caching=enable_prefix_caching,
-            logprobs_mode="processed_logprobs",  # see the module docstring and _patch_sampler
+            logprobs_mode="processed_logprobs",  # see the module docstring and patch_sampler
             seed=seed,
             disable_log_stats=True,
         )
@@ -340,7 +271,11 @@ class VLLMEngine:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self._gate.in_flight
+
+    @property
+    def alive(self) -> bool:
+        return self._llm is not None  # until close()
 
     @property
     def llm(self) -> Any:
@@ -352,39 +287,15 @@ class VLLMEngine:
                 "scoring": self._scoring, "version": self._version, **self._options}
 
     def pause(self) -> None:
-        with self._cv:
-            self._paused = True
-            self._cv.wait_for(lambda: self._in_flight == 0)
+        self._gate.pause()
 
     def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
+        self._gate.resume()
 
     def abort(self) -> None:
-        with self._cv:
-            self._abort_epoch += 1
+        self._gate.abort()
 
     # -- generation ----------------------------------------------------------------------------
-    def _check_prompts(self, prompts: list[list[int]]) -> None:
-        for i, p in enumerate(prompts):
-            if not p:
-                raise EngineError(f"prompt {i} is empty; a prompt needs at least one token (e.g. BOS)")
-            bad = [t for t in p if not 0 <= t < self._vocab]
-            if bad:
-                raise EngineError(f"prompt {i} has token ids outside the vocabulary [0, {self._vocab}): {bad[:5]}")
-
-    def _enter(self) -> int:
-        with self._cv:
-            self._cv.wait_for(lambda: not self._paused and not self._updating)
-            self._in_flight += 1
-            return self._abort_epoch
-
-    def _leave(self) -> None:
-        with self._cv:
-            self._in_flight -= 1
-            self._cv.notify_all()
-
     def sampling_params(self, params: SamplingParams, row: int) -> Any:
         from vllm.sampling_params import RequestOutputKind
 
@@ -406,15 +317,11 @@ class VLLMEngine:
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        self._check_prompts(prompts)
-        epoch = self._enter()
-        try:
-            with self._engine_lock:
-                if self._abort_epoch != epoch:
-                    return [Completion([], [], "abort") for _ in prompts]
-                return self._run(prompts, [self.sampling_params(params, i) for i in range(len(prompts))], epoch)
-        finally:
-            self._leave()
+        check_prompts(prompts, self._vocab)
+        with self._gate.call() as epoch, self._engine_lock:
+            if self._gate.aborted(epoch):
+                return [Completion([], [], "abort") for _ in prompts]
+            return self._run(prompts, [self.sampling_params(params, i) for i in range(len(prompts))], epoch)
 
     def _run(self, prompts: list[list[int]], vparams: list[Any], epoch: int) -> list[Completion]:
         from vllm.inputs import TokensPrompt
@@ -433,7 +340,7 @@ class VLLMEngine:
                 added.append(rid)
             pending = len(prompts)
             while pending:
-                if self._abort_epoch != epoch:
+                if self._gate.aborted(epoch):
                     break
                 for out in engine.step():
                     i = index.get(out.request_id)
@@ -442,9 +349,9 @@ class VLLMEngine:
                     c = out.outputs[0]
                     new = list(c.token_ids)
                     toks[i].extend(new)
-                    lps[i].extend(_sampled_logprobs(c.logprobs, new))
+                    lps[i].extend(sampled_logprobs(c.logprobs, new))
                     if out.finished:
-                        reasons[i] = _finish_reason(c.finish_reason)
+                        reasons[i] = finish_reason(c.finish_reason)
                         pending -= 1
                 if pending and not engine.has_unfinished_requests():
                     raise EngineError(f"vLLM dropped {pending} requests without finishing them")
@@ -459,41 +366,19 @@ class VLLMEngine:
         log-probs; these never read the prefix cache)."""
         from vllm.inputs import TokensPrompt
 
-        self._check_prompts(sequences)
+        check_prompts(sequences, self._vocab)
         vparams = [self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, flat_logprobs=True,
                                              detokenize=False, skip_special_tokens=False)
                    for _ in sequences]
-        self._enter()
-        try:
-            with self._engine_lock:
-                outs = self._llm.generate([TokensPrompt(prompt_token_ids=list(s))
-                                           for s in sequences], vparams, use_tqdm=False)
-        finally:
-            self._leave()
+        with self._gate.call(), self._engine_lock:
+            outs = self._llm.generate([TokensPrompt(prompt_token_ids=list(s))
+                                       for s in sequences], vparams, use_tqdm=False)
         result = []
         for s, o in zip(sequences, outs, strict=True):
-            result.append(_sampled_logprobs(o.prompt_logprobs, list(s), skip_first=True))
+            result.append(sampled_logprobs(o.prompt_logprobs, list(s), skip_first=True))
         return result
 
     # -- weights -------------------------------------------------------------------------------
-    def _validate(self, incoming: dict[str, torch.Tensor]) -> None:
-        unknown = sorted(set(incoming) - set(self._expected))
-        mismatched = [
-            f"{n} (got {tuple(t.shape)}, expected {self._expected[n]})"
-            for n, t in incoming.items()
-            if n in self._expected and tuple(t.shape) != self._expected[n]
-        ]
-        missing = sorted(g[0] for g in self._groups if not any(n in incoming for n in g))
-        problems = []
-        if unknown:
-            problems.append(f"unknown names: {_names(unknown)}")
-        if missing:
-            problems.append(f"missing names: {_names(missing)}")
-        if mismatched:
-            problems.append(f"shape mismatch: {_names(mismatched)}")
-        if problems:
-            raise WeightSyncError("update_weights rejected, nothing changed; " + "; ".join(problems))
-
     def _buckets(self, incoming: dict[str, torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Tensors on the engine's device and dtype, in buckets of about `sync_bucket_mb`. Each alias
         group's tensor goes under every name of the group: vLLM's loader takes the name it keeps
@@ -522,29 +407,14 @@ class VLLMEngine:
     ) -> None:
         """Load the tensors into the running engine in place (strict, like the transformers backend),
         then reset the prefix cache. `reset_prefix_cache=False` exists to demonstrate stale KV."""
-        incoming: dict[str, torch.Tensor] = {}
-        dupes: list[str] = []
-        for name, tensor in named_tensors:
-            if name in incoming:
-                dupes.append(name)
-            incoming[name] = tensor
-        if dupes:
-            raise WeightSyncError(f"update_weights got names more than once: {_names(dupes)}")
-        self._validate(incoming)
-        with self._cv:
-            self._cv.wait_for(lambda: not self._updating)
-            if version < self._version:
-                raise WeightSyncError(
-                    f"update_weights version {version} is older than the engine's version {self._version}"
-                )
-            self._updating = True
-            self._cv.wait_for(lambda: self._in_flight == 0)
-        try:
+        incoming = unique_named(named_tensors)
+        check_weights(incoming, self._expected, self._groups)
+        with self._gate.exclusive(lambda: check_version(version, self._version)):
             with self._engine_lock:
                 t0 = time.perf_counter()
                 n = nb = 0
                 for bucket in self._buckets(incoming):
-                    n += self._llm.collective_rpc(_load_bucket, args=(bucket,))[0]
+                    n += self._llm.collective_rpc(load_bucket, args=(bucket,))[0]
                     nb += 1
                 torch.cuda.synchronize()
                 t1 = time.perf_counter()
@@ -556,10 +426,6 @@ class VLLMEngine:
                               "tensors": n}
             log.info("vLLM engine weights updated to version %d (%d tensors, %d buckets, %.3fs)", version, n,
                      nb, t2 - t0)
-        finally:
-            with self._cv:
-                self._updating = False
-                self._cv.notify_all()
 
     def reset_prefix_cache(self) -> bool:
         with self._engine_lock:
@@ -590,43 +456,3 @@ def _vocab_from(expected: dict[str, tuple[int, ...]]) -> int:
         if name.endswith("embed_tokens.weight"):
             return shape[0]
     raise EngineError("cannot tell the vocabulary size from the model config")
-
-
-def _sampled_logprobs(logprobs: Any, token_ids: list[int], skip_first: bool = False) -> list[float]:
-    """The log-prob of each token in `token_ids` from vLLM's per-position logprobs (flat or dicts)."""
-    if not token_ids[1 if skip_first else 0:]:
-        return []
-    if logprobs is None:
-        raise EngineError("vLLM returned no log-probs although they were requested")
-    out: list[float] = []
-    starts = getattr(logprobs, "start_indices", None)
-    for k, tok in enumerate(token_ids):
-        if skip_first and k == 0:
-            continue
-        if starts is not None:  # FlatLogprobs
-            lo, hi = logprobs.start_indices[k], logprobs.end_indices[k]
-            for j in range(lo, hi):
-                if logprobs.token_ids[j] == tok:
-                    out.append(float(logprobs.logprobs[j]))
-                    break
-            else:
-                raise EngineError(f"vLLM log-probs at position {k} miss token {tok}")
-        else:
-            entry = logprobs[k]
-            if entry is None or tok not in entry:
-                raise EngineError(f"vLLM log-probs at position {k} miss token {tok}")
-            out.append(float(entry[tok].logprob))
-    return out
-
-
-def _finish_reason(reason: str | None) -> FinishReason:
-    if reason == "length":
-        return "length"
-    if reason == "abort":
-        return "abort"
-    return "stop"
-
-
-def _names(names: Sequence[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" … ({len(names)} in all)" if len(names) > limit else "")

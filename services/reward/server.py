@@ -7,8 +7,8 @@ from pathlib import Path
 
 from services.core.config import RunConfig
 from services.core.scoring import ScoringService
-from services.local import reward_model_path
 from services.models.loading import load_tokenizer
+from services.models.roles import reward_model_path
 from services.reward.scorer import RewardScorer
 from services.tasks import load_task
 

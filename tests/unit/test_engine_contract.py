@@ -25,10 +25,9 @@ from services.models.engine import (
     GenerationEngine,
     SamplingParams,
     WeightSyncError,
-    available_engines,
     completions_to_rollout,
-    make_engine,
 )
+from services.models.factory import available_engines, make_engine
 from services.models.loading import load_causal_lm, load_tokenizer
 from services.models.logprobs import response_logprobs
 from services.models.tiny import build_tiny_model
@@ -134,7 +133,8 @@ def test_seeded_generation_is_the_same_in_another_process(
     script = (
         "import json, sys\n"
         "from pathlib import Path\n"
-        "from services.models.engine import SamplingParams, make_engine\n"
+        "from services.models.engine import SamplingParams\n"
+        "from services.models.factory import make_engine\n"
         "name, path, prompts = json.loads(sys.argv[1])\n"
         "out = make_engine(name, Path(path)).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8,"
         " seed=7))\n"

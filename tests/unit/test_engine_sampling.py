@@ -15,10 +15,9 @@ from services.models.engine import (
     EngineUnavailable,
     SamplingParams,
     WeightSyncError,
-    available_engines,
     completions_to_rollout,
-    make_engine,
 )
+from services.models.factory import available_engines, make_engine
 from services.models.hf_engine import load_strict, sample_next
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0], [0.0, 0.0, 3.0, 0.1, 0.2]])

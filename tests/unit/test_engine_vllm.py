@@ -22,14 +22,14 @@ from services.models.engine import (
     EngineUnavailable,
     SamplingParams,
     WeightSyncError,
-    available_engines,
     completions_to_rollout,
-    make_engine,
 )
+from services.models.factory import available_engines, make_engine
 from services.models.loading import load_causal_lm, load_tokenizer
 from services.models.logprobs import response_logprobs
 from services.models.tiny import build_tiny_model
-from services.models.vllm_engine import _sampled_logprobs, expected_parameters, request_seed
+from services.models.vllm_adapter import sampled_logprobs
+from services.models.vllm_engine import expected_parameters, request_seed
 from services.tasks import make_task
 
 REASON = available_engines()["vllm"]
@@ -76,11 +76,11 @@ def test_expected_parameters_group_tied_embeddings(models: dict[str, Path]) -> N
 def test_sampled_logprobs_reads_flat_and_dict_layouts() -> None:
     flat = SimpleNamespace(start_indices=[0, 0, 2], end_indices=[0, 2, 3], token_ids=[5, 9, 4],
                            logprobs=[-0.5, -3.0, -1.25])
-    assert _sampled_logprobs(flat, [1, 9, 4], skip_first=True) == [-3.0, -1.25]
+    assert sampled_logprobs(flat, [1, 9, 4], skip_first=True) == [-3.0, -1.25]
     dicts: list[Any] = [{7: SimpleNamespace(logprob=-0.1)}, {8: SimpleNamespace(logprob=-2.0)}]
-    assert _sampled_logprobs(dicts, [7, 8]) == [-0.1, -2.0]
+    assert sampled_logprobs(dicts, [7, 8]) == [-0.1, -2.0]
     with pytest.raises(EngineError, match="miss token 3"):
-        _sampled_logprobs(dicts, [7, 3])
+        sampled_logprobs(dicts, [7, 3])
 
 
 # -- on a GPU with vLLM ----------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from services.core.config import ModelSpec, TinyModelSpec
-from services.models.loading import ModelLoadError, resolve_model_path
+from services.models.loading import ModelLoadError
+from services.models.paths import resolve_model_path
 from services.models.reward_model import RewardModel, build_tiny_reward_model, load_reward_model
 from services.tasks import make_task
 

@@ -14,9 +14,11 @@ import torch
 
 from services.core.config import ModelSpec, TinyModelSpec
 from services.models.atomic import MARKER, staging_dir
-from services.models.engine import SamplingParams, make_engine
-from services.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, resolve_model_path
-from services.models.tiny import build_tiny_model, read_model_info
+from services.models.engine import SamplingParams
+from services.models.factory import make_engine
+from services.models.loading import ModelLoadError, load_causal_lm, load_tokenizer
+from services.models.paths import read_model_info, resolve_model_path
+from services.models.tiny import build_tiny_model
 from services.models.tokenizer import decode_completion, encode_prompt
 from services.tasks import make_task
 from services.tasks.base import Task

@@ -1,0 +1,50 @@
+"""The models of a run's roles: resolve (and if needed build) them once, and where each role's lives.
+
+Every entry point that starts a run (`rlfleet up`, `rlfleet train --local`, `python -m
+services.prepare`) calls `prepare` before anything else reads a model, so no two processes race to
+build the same tiny model; the services then only read the paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.core.config import RunConfig
+from services.models.loading import load_tokenizer
+from services.models.paths import resolve_model_path
+from services.tasks import load_task
+from services.tasks.base import Task
+
+
+@dataclass
+class Roles:
+    """Everything a run needs besides the policy: built once, shared by the local loop's steps."""
+
+    task: Task
+    tokenizer: object
+    policy_path: Path
+
+
+def prepare(cfg: RunConfig) -> Roles:
+    """Resolve (and if needed build) the models; the fleet's `rlfleet up` calls this before starting
+    services so no two processes race to build the same model."""
+    task = load_task(cfg.task)
+    path = resolve_model_path(cfg.models.policy, "policy", task, cfg.run_dir, cfg.run.seed)
+    return Roles(task=task, tokenizer=load_tokenizer(path), policy_path=path)
+
+
+def reward_model_path(cfg: RunConfig) -> Path | None:
+    spec = cfg.models.reward
+    if spec is None:
+        return None
+    if spec.path is None or not Path(spec.path).is_dir():
+        raise FileNotFoundError(f"models.reward.path: reward model directory not found: {spec.path}")
+    return Path(spec.path)
+
+
+def critic_path(cfg: RunConfig, policy_path: Path) -> Path:
+    spec = cfg.models.critic
+    if spec is None or spec.path is None:
+        return policy_path
+    return Path(spec.path)

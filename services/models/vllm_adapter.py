@@ -1,0 +1,121 @@
+"""Where the vLLM backend touches vLLM's internals (pinned 0.26.0; see `vllm_engine` for the why).
+
+- Worker-side functions, run through `LLM.collective_rpc` (in this process: the engine core is
+  in-process): the sampler patch that makes "processed" log-probs `log_softmax(logits / T)` before
+  top-k/top-p, one bucket of a weight sync, and the model's device and dtype.
+- Reading vLLM's outputs into ours: per-token log-probs (flat or dict layout) and finish reasons.
+
+Nothing here imports vllm at module level: the backend stays importable without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from services.models.engine import EngineError, FinishReason
+
+_GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+
+
+def _worker(w: Any) -> Any:
+    return getattr(w, "worker", None) or w
+
+
+def patch_sampler(w: Any) -> str:
+    """Make the sampler's "processed" log-probs `log_softmax(logits / T)` before top-k/top-p."""
+    runner = _worker(w).model_runner
+    sampler = getattr(runner, "sampler", None)
+    if sampler is None:
+        return "unpatched: no sampler"
+    mod = type(sampler).__module__
+    if getattr(sampler, "_rlfleet_patched", False):
+        return sampler._rlfleet_patched
+    orig = sampler.sample
+
+    if mod.startswith("vllm.v1.worker.gpu.sample"):  # model runner V2 (default for dense models)
+        def sample_v2(logits: torch.Tensor, expanded_idx_mapping: torch.Tensor, idx_mapping_np: Any,
+                      pos: torch.Tensor, input_ids: torch.Tensor, expanded_local_pos: torch.Tensor,
+                      return_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            scored = None
+            if return_logprobs:
+                t = sampler.sampling_states.temperature.gpu[expanded_idx_mapping].float()
+                t = torch.where(t < _GREEDY_EPS, torch.ones_like(t), t)
+                scored = logits.float() / t.unsqueeze(-1)  # a new tensor: the sampler mutates `logits`
+            sampled, processed = orig(logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
+                                      expanded_local_pos, return_logprobs=return_logprobs)
+            return sampled, (scored if scored is not None else processed)
+
+        sampler.sample = sample_v2
+        sampler.logprobs_mode = "processed_logprobs"  # scores (log_softmax of) what sample returns
+        sampler._rlfleet_patched = "v2: log_softmax(logits/T) before top-k/top-p"
+        return sampler._rlfleet_patched
+
+    if mod.startswith("vllm.v1.sample"):  # model runner V1
+        def sample_v1(logits: torch.Tensor, sampling_metadata: Any, logprobs_mode_override: Any = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            scored = None
+            if sampling_metadata.max_num_logprobs is not None:
+                t = sampling_metadata.temperature
+                x = logits.float()
+                if t is not None:
+                    t = torch.where(t < _GREEDY_EPS, torch.ones_like(t), t).float()
+                    x = x / t.unsqueeze(-1)
+                scored = x.log_softmax(dim=-1)
+            sampled, processed = orig(logits, sampling_metadata, logprobs_mode_override)
+            return sampled, (scored if scored is not None else processed)
+
+        sampler.sample = sample_v1
+        sampler.logprobs_mode = "processed_logprobs"
+        sampler._rlfleet_patched = "v1: log_softmax(logits/T) before top-k/top-p"
+        return sampler._rlfleet_patched
+    return f"unpatched: unknown sampler {mod}.{type(sampler).__name__}"
+
+
+def load_bucket(w: Any, bucket: list[tuple[str, torch.Tensor]]) -> int:
+    model = _worker(w).get_model()
+    with torch.inference_mode():  # vLLM may have made its parameters under inference mode
+        loaded = model.load_weights(weights=iter(bucket))
+    return len(loaded) if loaded is not None else len(bucket)
+
+
+def model_param_info(w: Any) -> tuple[str, str]:
+    p = next(_worker(w).get_model().parameters())
+    return str(p.device), str(p.dtype).removeprefix("torch.")
+
+
+def sampled_logprobs(logprobs: Any, token_ids: list[int], skip_first: bool = False) -> list[float]:
+    """The log-prob of each token in `token_ids` from vLLM's per-position logprobs (flat or dicts)."""
+    if not token_ids[1 if skip_first else 0:]:
+        return []
+    if logprobs is None:
+        raise EngineError("vLLM returned no log-probs although they were requested")
+    out: list[float] = []
+    starts = getattr(logprobs, "start_indices", None)
+    for k, tok in enumerate(token_ids):
+        if skip_first and k == 0:
+            continue
+        if starts is not None:  # FlatLogprobs
+            lo, hi = logprobs.start_indices[k], logprobs.end_indices[k]
+            for j in range(lo, hi):
+                if logprobs.token_ids[j] == tok:
+                    out.append(float(logprobs.logprobs[j]))
+                    break
+            else:
+                raise EngineError(f"vLLM log-probs at position {k} miss token {tok}")
+        else:
+            entry = logprobs[k]
+            if entry is None or tok not in entry:
+                raise EngineError(f"vLLM log-probs at position {k} miss token {tok}")
+            out.append(float(entry[tok].logprob))
+    return out
+
+
+def finish_reason(reason: str | None) -> FinishReason:
+    if reason == "length":
+        return "length"
+    if reason == "abort":
+        return "abort"
+    return "stop"
+
