@@ -17,7 +17,6 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from services.core.codec import (
-    DEFAULT_MAX_BYTES,
     SCHEMA_VERSION,
     WireError,
     tensor_from_proto,
@@ -38,9 +37,7 @@ __all__ = [
     "check_schema_version",
     "message",
     "parse_message",
-    "rollout_from_proto",
     "rollout_to_proto",
-    "score_batch_to_tensors",
     "score_from_proto",
     "score_to_proto",
     "train_batch_from_proto",
@@ -184,11 +181,6 @@ def validate_rollout_batch(msg: pb.RolloutBatch, max_bytes: int, limits: Limits 
     )
 
 
-def rollout_from_proto(msg: pb.RolloutBatch, max_bytes: int, limits: Limits | None = None) -> Rollout:
-    """Alias of `validate_rollout_batch`: there is no unvalidated way in."""
-    return validate_rollout_batch(msg, max_bytes, limits)
-
-
 # -- scores --------------------------------------------------------------------------------------
 
 
@@ -248,13 +240,6 @@ def score_from_proto(msg: pb.ScoreBatch, *, max_bytes: int, expected_stage: str 
                             f" generation.max_new_tokens {limits.max_new_tokens}")
     return Scores(batch_id=msg.batch_id, stage=msg.stage, task_ids=list(msg.task_ids),
                   version=int(msg.version), tensor=t, score_seconds=float(msg.score_seconds))
-
-
-def score_batch_to_tensors(msg: pb.ScoreBatch, expected_stage: str, expected_rows: int,
-                           expected_cols: int | None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Scores:
-    """`score_from_proto` with the expectations the controller always has (stage, B, R)."""
-    return score_from_proto(msg, max_bytes=max_bytes, expected_stage=expected_stage,
-                            expected_rows=expected_rows, expected_cols=expected_cols)
 
 
 # -- training batches ----------------------------------------------------------------------------

@@ -68,7 +68,6 @@ class StreamWorker:
         self.in_flight = 0
         self.handled = 0
         self.redis_ok = True
-        self.transient_error: str | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -93,7 +92,6 @@ class StreamWorker:
     def _on_transient(self, state: RetryCallState) -> None:
         err = state.outcome.exception() if state.outcome is not None else None
         self.redis_ok = not isinstance(err, BusUnavailable)
-        self.transient_error = str(err)
         log.warning("dependency unavailable; retrying", extra={"stream": self.stream, "error": str(err)[:300]})
 
     async def run(self) -> None:
@@ -136,7 +134,6 @@ class StreamWorker:
                 return
             await self._retrying(lambda: self.bus.ack(msg, self.group))
             self.handled += 1
-            self.transient_error = None
         finally:
             self.in_flight -= 1
 

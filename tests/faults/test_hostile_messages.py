@@ -28,7 +28,7 @@ from services.report import read_metrics
 from services.rl.batch import Rollout
 from tests.fleet_helpers import tiny_config, wait_for_step
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 4
 
