@@ -1,10 +1,12 @@
-"""Well-formed messages with hostile content, injected into a real fleet's streams: every one ends in
-the dead-letter stream with a reason naming the field, in every consumer group that reads it; no
+"""Well-formed messages with hostile content in a real fleet's streams: every one ends in the
+dead-letter stream with a reason naming the field, in every consumer group that reads it; no
 service restarts; the run completes its steps and `rlfleet audit` passes.
 
 The fleet runs on a persistent `redis.url` that still holds an old run of the same name (a prompt
 batch at a version this run has not reached, and its acknowledged versions): the actor must reject
-it instead of waiting for that version inside its only consumer loop."""
+it instead of waiting for that version inside its only consumer loop. The hostile messages sit in
+the streams before the fleet starts: every consumer group starts at id 0, so each is delivered
+before any of the run's own traffic, however fast the run goes, and nothing can finish around it."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from services.core.wire import message, rollout_to_proto, score_to_proto
 from services.fleet import Fleet
 from services.report import read_metrics
 from services.rl.batch import Rollout
-from tests.fleet_helpers import tiny_config, wait_for_step
+from tests.fleet_helpers import tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -175,16 +177,14 @@ def test_hostile_messages_are_dead_lettered_naming_the_field_and_the_run_complet
     cfg = _config(tmp_path / "run", tiny_model, redis_server.url)
     r = redis_server.client()
     _stale_run(r, cfg)
-    fleet: Fleet = fleet_factory(cfg, restart_budget=3)
-    fleet.start(ready_timeout_s=180)
-    result: list[Any] = []
-    sup = threading.Thread(target=lambda: result.append(_supervise(fleet)), daemon=True)
-    sup.start()
-
-    wait_for_step(fleet, 1, timeout_s=240)
     hostile = _hostile()
     for stream, bid, data, _ in hostile:
         r.xadd(f"rlfleet:{cfg.run.name}:{stream}", {"data": data, "kind": stream, "batch_id": bid})
+    fleet: Fleet = fleet_factory(cfg, restart_budget=3)
+    fleet.start(ready_timeout_s=240)
+    result: list[Any] = []
+    sup = threading.Thread(target=lambda: result.append(_supervise(fleet)), daemon=True)
+    sup.start()
     sup.join(timeout=400)
     assert result and result[0] == 0, f"supervise returned {result}"
 
