@@ -22,18 +22,13 @@ import grpc
 from services.actor.outbox import Outbox
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
+from services.core.limits import Limits
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.runtime import ServiceRuntime
-from services.core.trainable import Trainable
-from services.core.wire import (
-    WireError,
-    check_schema_version,
-    message,
-    parse_message,
-    rollout_to_proto,
-    train_batch_from_proto,
-)
+from services.core.servicer import ServiceCalls, invalid
+from services.core.trainable import Trainable, WeightsRefused
+from services.core.wire import TrainRequest, WireError, check_schema_version, message, parse_message, rollout_to_proto
 from services.core.worker import Rejected, StreamWorker
 from services.models.engine import EngineError, SamplingParams, completions_to_rollout
 from services.models.factory import make_engine
@@ -49,12 +44,12 @@ class Actor:
         self.cfg = cfg
         path = Path(cfg.models.policy.path)
         self.tokenizer = load_tokenizer(path)
-        self.vocab_size = len(self.tokenizer)
         self.policy = load_causal_lm(path, dtype=cfg.models.policy.dtype, device=cfg.endpoint("actor").device)
+        self.limits = Limits.for_run(cfg, vocab_size=int(self.policy.config.vocab_size))
         self.engine = make_engine(cfg.generation.engine, path, dtype=cfg.models.policy.dtype,
                                   **cfg.generation.engine_kwargs())
         self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed)
-        self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt)
+        self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt, limits=self.limits)
         if self.t.restore():
             self.engine.update_weights(self.policy.state_dict().items(), self.t.version)
         self.outbox = Outbox.open(cfg.run_dir / "outbox" / "actor")
@@ -132,18 +127,10 @@ class Actor:
     async def handle(self, msg: Message) -> None:
         assert self.bus is not None
         batch = parse_message(pb.PromptBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
-        if not batch.prompts:
-            raise Rejected("empty_batch", f"prompt batch {batch.batch_id!r} has no prompts")
+        self.limits.check_prompt_batch(batch)
         prompts = [list(p.token_ids) for p in batch.prompts]
-        for p, ids in zip(batch.prompts, prompts, strict=True):
-            if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise Rejected("bad_token_ids", f"prompt {p.task_id!r}: token ids empty or outside the "
-                                                f"vocabulary [0, {self.vocab_size})")
         params = self._params(batch.sampling)
-        # Never generate under an older policy than the one the prompts were admitted at: a
-        # restarted actor waits here while the controller replays the steps it missed.
-        while self.version < batch.version:
-            await asyncio.sleep(0.05)
+        await self.wait_for_version(batch)
         t0 = time.perf_counter()
         with self.metrics.time_stage("generate"):
             async with self.engine_lock:
@@ -168,33 +155,90 @@ class Actor:
         self.metrics.tokens.labels(phase="generate").inc(tokens)
         self.metrics.samples.labels(phase="generate").inc(len(rollout))
 
+    async def wait_for_version(self, batch: pb.PromptBatch) -> None:
+        """Never generate under an older policy than the one the prompts were admitted at: a
+        restarted actor waits here while the controller replays the steps it missed. The wait is
+        bounded, since it holds the only consumer loop: a version the controller has not committed
+        (a hostile message, or an old run's on a reused run name and redis.url) is rejected at once,
+        and one not reached within flow.rpc_timeout_s is rejected then."""
+        want = int(batch.version)
+        deadline = time.monotonic() + self.cfg.flow.rpc_timeout_s
+        checked = 0.0
+        while self.version < want:
+            now = time.monotonic()
+            if now - checked >= 1.0:
+                checked = now
+                committed = await self.committed_version()
+                if want > max(committed, self.version):
+                    raise Rejected("version_ahead", f"PromptBatch {batch.batch_id[:40]!r}: version {want} is ahead"
+                                                    f" of the run's committed version {committed}")
+            if now > deadline:
+                raise Rejected("version_timeout", f"PromptBatch {batch.batch_id[:40]!r}: version {want} not"
+                                                  f" reached within {self.cfg.flow.rpc_timeout_s:g} s (at"
+                                                  f" {self.version})")
+            await asyncio.sleep(0.05)
+
+    async def committed_version(self) -> int:
+        """The actor version the controller has committed, read now (the cached one lags by up to a
+        second). Redis being away raises BusUnavailable: the worker retries the message later."""
+        assert self.bus is not None
+        self.t.target_version = (await self.bus.get_versions()).get("actor", 0)
+        return self.t.target_version
+
     # -- training ------------------------------------------------------------------------------------
     async def train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:
+        res = await self.t.train(request, context, require=("advantages",), apply=self._train_step)
+        self.metrics.policy_version.set(self.version)
+        return res
+
+    async def _train_step(self, req: TrainRequest) -> dict[str, float]:
+        with self.metrics.time_stage("actor_train"):
+            stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step, self.version)
+        with self.metrics.time_stage("weight_sync"):
+            async with self.engine_lock:
+                await asyncio.to_thread(self.engine.update_weights, self.policy.state_dict().items(),
+                                        req.target_version)
+        # No await from here until Trainable moves the version: a generation that takes the engine
+        # lock in between would label the new weights with the old version.
+        m = self.metrics
+        m.loss.labels(kind="policy").set(stats.get("policy_loss", 0.0))
+        m.samples.labels(phase="train").inc(len(req.rollout))
+        m.tokens.labels(phase="train").inc(int(req.rollout.response_mask.sum()))
+        return stats
+
+    async def update_weights(self, request: pb.UpdateWeightsRequest, context: Any) -> pb.UpdateWeightsResponse:
+        """Load a checkpoint path into the trainer and the engine (UpdateWeights): its version must
+        not be behind this actor's nor ahead of the run's committed one. The same version again is
+        a no-op, as a replayed Train is: one version number always means the same weights."""
         try:
-            req = train_batch_from_proto(request, self.cfg.flow.max_message_bytes, require=("advantages",))
+            check_schema_version(request)
+            if not request.checkpoint_path:
+                raise WireError("missing_field", "UpdateWeightsRequest: checkpoint_path is empty (the engine"
+                                " already serves the trainer's in-process weights)")
         except WireError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
+            await invalid(context, e)
+        path, version = Path(request.checkpoint_path), int(request.version)
+        t0 = time.perf_counter()
         async with self.t.lock:
-            done = await self.t.gate(req.step, req.target_version, context)
-            if done is not None:
-                return done
-            t0 = time.perf_counter()
-            with self.metrics.time_stage("actor_train"):
-                stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step, self.version)
-            with self.metrics.time_stage("weight_sync"):
-                async with self.engine_lock:
-                    await asyncio.to_thread(self.engine.update_weights, self.policy.state_dict().items(),
-                                            req.target_version)
-                    self.t.version, self.t.step = req.target_version, req.step
+            try:
+                committed = await self.committed_version()
+            except BusUnavailable as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the committed version: {e}")
+            try:
+                self.t.check_weights_version(version, committed)
+                if version > self.version:
+                    step = await asyncio.to_thread(self.t.load_weights, path, version)
+                    async with self.engine_lock:
+                        await asyncio.to_thread(self.engine.update_weights, self.policy.state_dict().items(),
+                                                version)
+                        self.t.version, self.t.step = version, step
+            except WeightsRefused as e:
+                log.warning("update_weights refused", extra={"version": version, "error": str(e)[:300]})
+                await context.abort(e.code, str(e))
             if self.t.due():
                 await asyncio.to_thread(self.t.save)
-            m = self.metrics
-            m.policy_version.set(self.version)
-            m.loss.labels(kind="policy").set(stats.get("policy_loss", 0.0))
-            m.samples.labels(phase="train").inc(len(req.rollout))
-            m.tokens.labels(phase="train").inc(int(req.rollout.response_mask.sum()))
-            return message(pb.TrainResult, step=req.step, version=self.version, stats=stats,
-                           train_seconds=time.perf_counter() - t0)
+        self.metrics.policy_version.set(self.version)
+        return message(pb.UpdateWeightsResponse, version=self.version, seconds=time.perf_counter() - t0)
 
     async def main(self) -> None:
         c = self.cfg
@@ -241,29 +285,16 @@ class Actor:
             await asyncio.sleep(1.0)
 
 
-class _ActorServicer(pb_grpc.ActorServicer):
+class _ActorServicer(ServiceCalls, pb_grpc.ActorServicer):
     def __init__(self, actor: Actor) -> None:
+        super().__init__(actor.runtime, "actor", actor.instance, lambda: actor.version, actor.t)
         self.a = actor
 
     async def Train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:  # noqa: N802
         return await self.a.train(request, context)
 
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context: Any) -> pb.UpdateWeightsResponse:  # noqa: N802
-        check_schema_version(request)
-        # Weights reach the engine in-process after every Train; loading from a checkpoint path
-        # arrives with the checkpoint work. Say so instead of pretending.
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "UpdateWeights from a checkpoint path is not supported yet")
-        raise AssertionError("unreachable: abort raises")
-
-    async def GetState(self, request: pb.GetStateRequest, context: Any) -> pb.ServiceState:  # noqa: N802
-        check_schema_version(request)
-        return message(pb.ServiceState, service="actor", instance_id=self.a.instance, state=self.a.runtime.state,
-                       version=self.a.version, gauges={"checkpoint_version": float(self.a.t.checkpoint_version)})
-
-    async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:  # noqa: N802
-        check_schema_version(request)
-        self.a.runtime.request_drain("rpc")
-        return message(pb.DrainResponse, accepted=True, state="draining")
+        return await self.a.update_weights(request, context)
 
 
 def serve(cfg: RunConfig) -> None:

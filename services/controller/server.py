@@ -25,6 +25,7 @@ from services.core.events import EventLog
 from services.core.ids import batch_id as make_batch_id
 from services.core.ids import generation_seed, parse_task_id, task_id
 from services.core.journal import Journal, JournalFull, TaskSpec
+from services.core.limits import Limits
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.runtime import ServiceRuntime, make_channel, rpc
@@ -54,6 +55,7 @@ class Controller:
         self.task = load_task(cfg.task)
         self.tokenizer = load_tokenizer(Path(cfg.models.policy.path))
         self.stages = cfg.stages()
+        self.limits = Limits.for_run(cfg)
         self.trainable = ["actor", "critic"] if cfg.algo.needs_critic else ["actor"]
         run_dir = cfg.run_dir
         j = cfg.journal
@@ -215,7 +217,7 @@ class Controller:
     # -- joining results -----------------------------------------------------------------------------
     async def on_rollout(self, msg: Message) -> None:
         rbm = parse_message(pb.RolloutBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
-        rollout = validate_rollout_batch(rbm, self.cfg.flow.max_message_bytes)
+        rollout = validate_rollout_batch(rbm, self.cfg.flow.max_message_bytes, self.limits)
         rid = rbm.batch_id
         pbid = prompt_batch_of(rid)
         expected = {t.task_id for t in self._message_tasks(self._first_of(pbid))}
@@ -234,7 +236,8 @@ class Controller:
         if sb.stage not in self.stages:
             raise Rejected("unknown_stage", f"score from stage {sb.stage!r}; this run uses {self.stages}")
         scores = score_from_proto(sb, max_bytes=self.cfg.flow.max_message_bytes, expected_stage=sb.stage,
-                                  expected_rows=self.cfg.batch.prompts_per_message * self.cfg.algo.group_size)
+                                  expected_rows=self.cfg.batch.prompts_per_message * self.cfg.algo.group_size,
+                                  limits=self.limits)
         if not await self.durable(self.journal.put_result_if_absent, sb.batch_id, sb.stage, msg.data):
             return  # a redelivered score: already counted once
         if self.assembler.add_score(sb.batch_id, sb.stage, scores.tensor):

@@ -17,8 +17,6 @@ from services.core.pb import rlfleet_pb2 as pb
 
 # Bumped when the meaning or layout of a field changes; receivers reject any other value.
 SCHEMA_VERSION = 1
-# Default byte limit (matches config.flow.max_message_bytes) where a caller has none at hand.
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 # torch supports at most 64 dimensions; nothing in rlfleet needs more than a handful.
 MAX_NDIM = 16
 _INT64_MAX = 2**63 - 1

@@ -15,11 +15,13 @@ import torch
 
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig, ServiceName
+from services.core.limits import Limits
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.runtime import ServiceRuntime
+from services.core.servicer import ServiceCalls
 from services.core.trainable import Trainable
-from services.core.wire import check_schema_version, message, parse_message, score_to_proto, validate_rollout_batch
+from services.core.wire import parse_message, score_to_proto, validate_rollout_batch
 from services.core.worker import StreamWorker
 from services.rl.batch import Rollout
 
@@ -36,6 +38,7 @@ class ScoringService:
         self.stage = stage
         self.score_fn = score
         self.version = version
+        self.limits = Limits.for_run(cfg)
         self.instance = f"{stage}-{os.getpid()}"
         self.runtime = ServiceRuntime.from_config(
             cfg, stage, readiness=self.readiness, status=self.status, on_drain=self.on_drain,
@@ -72,7 +75,7 @@ class ScoringService:
     async def handle(self, msg: Message) -> None:
         assert self.bus is not None
         rb = parse_message(pb.RolloutBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
-        rollout = validate_rollout_batch(rb, self.cfg.flow.max_message_bytes)
+        rollout = validate_rollout_batch(rb, self.cfg.flow.max_message_bytes, self.limits)
         t0 = time.perf_counter()
         with self.metrics.time_stage(self.stage):
             async with self.model_lock:
@@ -110,19 +113,9 @@ class ScoringService:
             await asyncio.sleep(1.0)
 
     # -- gRPC ----------------------------------------------------------------------------------------
-    def state_message(self) -> pb.ServiceState:
-        gauges = {"checkpoint_version": float(self.trainable.checkpoint_version)} if self.trainable else {}
-        return message(pb.ServiceState, service=self.stage, instance_id=self.instance, state=self.runtime.state,
-                       version=self.version(), gauges=gauges)
-
-    def drain_rpc(self, request: pb.DrainRequest) -> pb.DrainResponse:
-        check_schema_version(request)
-        self.runtime.request_drain("rpc")
-        return message(pb.DrainResponse, accepted=True, state="draining")
-
     def run(self, register: Callable[[grpc.aio.Server], None] | None = None, grpc_name: str = "") -> None:
         if register is None:
-            servicer = _ScorerServicer(self)
+            servicer = _ScorerServicer(self.runtime, self.stage, self.instance, self.version)
             self.runtime.add_grpc_service(
                 "rlfleet.v1.Scorer", lambda s: pb_grpc.add_ScorerServicer_to_server(servicer, s))
         else:
@@ -130,13 +123,5 @@ class ScoringService:
         self.runtime.run(self.main)
 
 
-class _ScorerServicer(pb_grpc.ScorerServicer):
-    def __init__(self, svc: ScoringService) -> None:
-        self.svc = svc
-
-    async def GetState(self, request: pb.GetStateRequest, context: Any) -> pb.ServiceState:  # noqa: N802
-        check_schema_version(request)
-        return self.svc.state_message()
-
-    async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:  # noqa: N802
-        return self.svc.drain_rpc(request)
+class _ScorerServicer(ServiceCalls, pb_grpc.ScorerServicer):
+    """Reward and reference answer only the shared calls."""

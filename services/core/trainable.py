@@ -1,5 +1,6 @@
 """What the actor and the critic share as trainable services: a version that never goes backwards,
-checkpoints on a cadence and on drain, and catching up to the controller's acknowledged version.
+checkpoints on a cadence and on drain, catching up to the controller's acknowledged version, the
+Train protocol, and loading weights from a checkpoint path (UpdateWeights).
 
 A restarted service reloads its latest checkpoint; the controller notices its version is behind
 the journal's (GetState) and replays the training batches after it, so the service converges to
@@ -9,28 +10,52 @@ the current version before it serves again (invariant 4).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch import nn
 
 from services.core.config import RunConfig
+from services.core.limits import Limits
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.wire import message
-from services.models.checkpoint import latest_meta, load_latest, prune, save_checkpoint
+from services.core.wire import TrainRequest, WireError, message, train_batch_from_proto
+from services.models.checkpoint import CheckpointError, load_latest, prune, save_checkpoint, verify_checkpoint
+from services.models.checkpoint_layout import META_FILE, MODEL_FILE
+from services.models.checkpoint_optim import read_optimizer_state  # reads and checks, touches nothing
+from services.models.engine import WeightSyncError
+from services.models.hf_engine import load_strict
 
 log = logging.getLogger("rlfleet.trainable")
 
+# One optimizer step on a decoded, validated batch; returns its statistics. It must not touch the
+# version: Trainable moves it once the step is applied.
+ApplyFn = Callable[[TrainRequest], Awaitable[dict[str, float]]]
+
+
+class WeightsRefused(Exception):
+    """An UpdateWeights that cannot be applied; `code` is the gRPC status it answers with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
 
 class Trainable:
-    def __init__(self, cfg: RunConfig, service: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, cfg: RunConfig, service: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 limits: Limits | None = None) -> None:
         self.cfg = cfg
         self.service = service
         self.model = model
         self.optimizer = optimizer
+        self.limits = limits
         self.root: Path = cfg.checkpoint_dir
         self.version = 0
         self.step = 0
@@ -56,6 +81,28 @@ class Trainable:
         prune(self.root, self.service, keep=self.cfg.checkpoint.keep)
         log.info("checkpoint written", extra={"service": self.service, "version": self.version})
 
+    # -- Train ---------------------------------------------------------------------------------------
+    async def train(self, request: pb.TrainBatch, context: Any, *, require: Iterable[str],
+                    apply: ApplyFn) -> pb.TrainResult:
+        """The Train call of every trainable service: validate, gate on the version, apply the
+        step, move the version, checkpoint when due. A malformed batch answers INVALID_ARGUMENT."""
+        try:
+            req = train_batch_from_proto(request, self.cfg.flow.max_message_bytes, require=tuple(require),
+                                         limits=self.limits)
+        except WireError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.reason}: {e}")
+        async with self.lock:
+            done = await self.gate(req.step, req.target_version, context)
+            if done is not None:
+                return done
+            t0 = time.perf_counter()
+            stats = await apply(req)
+            self.version, self.step = req.target_version, req.step
+            if self.due():
+                await asyncio.to_thread(self.save)
+        return message(pb.TrainResult, step=req.step, version=self.version, stats=stats,
+                       train_seconds=time.perf_counter() - t0)
+
     async def gate(self, step: int, target_version: int, context: Any) -> pb.TrainResult | None:
         """Train is keyed by the version it produces, which makes it idempotent: None means apply
         it; a result means it is already in these weights (a replay); a gap aborts the call with
@@ -72,6 +119,53 @@ class Trainable:
     def due(self) -> bool:
         return self.version - self.checkpoint_version >= self.cfg.checkpoint.every
 
+    # -- UpdateWeights -------------------------------------------------------------------------------
+    def check_weights_version(self, version: int, committed: int) -> None:
+        """Weights from a path move the version like a Train would: never backwards, never past
+        what the controller has committed (it could not replay them after a restart)."""
+        if version < self.version:
+            raise WeightsRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"version {version} is behind {self.service}'s version {self.version}:"
+                                 " versions never go backwards")
+        if version > committed:
+            raise WeightsRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"version {version} is ahead of the run's committed version {committed}")
+
+    def load_weights(self, path: Path, version: int) -> int:
+        """Load the weights at `path` into the model, all or nothing, and move to `version`; returns
+        the step recorded. `path` is a checkpoint directory as `save_checkpoint` writes it (its
+        meta.json must say `version`; its optimizer state comes along) or a `save_pretrained`
+        directory of safetensors (the optimizer's moments are reset: they belong to other weights).
+        Call with `self.lock` held, off the event loop; the version gate is the caller's."""
+        step = max(version - 1, 0)
+        opt_state = None
+        try:
+            if (path / META_FILE).is_file():
+                meta = verify_checkpoint(path, self.service)
+                if meta.version != version:
+                    raise WeightsRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                         f"{path} holds {self.service} version {meta.version}, not {version}")
+                step = meta.step
+                if meta.has_optimizer:
+                    opt_state = read_optimizer_state(path, self.optimizer)
+                files = [path / MODEL_FILE]
+            else:
+                files = _safetensors_files(path)
+            tensors: dict[str, torch.Tensor] = {}
+            for f in files:
+                tensors.update(load_file(str(f)))
+            load_strict(self.model, tensors)  # checks every name and shape before it copies any
+        except (CheckpointError, WeightSyncError, SafetensorError, OSError) as err:
+            raise WeightsRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {err}") from None
+        if opt_state is not None:
+            self.optimizer.load_state_dict(opt_state)
+        else:
+            self.optimizer.state.clear()
+        self.version, self.step = version, step
+        log.info("weights loaded", extra={"service": self.service, "version": version, "path": str(path)})
+        return step
+
+    # -- readiness -----------------------------------------------------------------------------------
     @property
     def caught_up(self) -> bool:
         return self.version >= self.target_version
@@ -81,6 +175,24 @@ class Trainable:
             return None
         return f"catching up: at version {self.version}, fleet at {self.target_version}"
 
-    def on_disk(self) -> int:
-        meta = latest_meta(self.root, self.service)
-        return meta.version if meta else 0
+
+def _safetensors_files(path: Path) -> list[Path]:
+    """The weight files of a `save_pretrained` directory: one model.safetensors, or the shards its
+    index names. Pickled weights (pytorch_model.bin) are never loaded."""
+    if not path.is_dir():
+        raise WeightsRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{path} is not a directory")
+    single = path / MODEL_FILE
+    if single.is_file():
+        return [single]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise WeightsRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{index} is malformed: {err}") from None
+        files = [path / s for s in shards]
+        if any(f.parent != path or not f.is_file() for f in files):
+            raise WeightsRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{index} names shards missing from {path}")
+        return files
+    raise WeightsRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"{path} holds neither an rlfleet checkpoint ({META_FILE}) nor safetensors weights")

@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from google.protobuf.message import DecodeError, Message
 
 from services.core.codec import (
-    DEFAULT_MAX_BYTES,
     SCHEMA_VERSION,
     WireError,
     tensor_from_proto,
@@ -25,6 +24,9 @@ from services.core.codec import (
 )
 from services.core.pb import rlfleet_pb2 as pb
 from services.rl.batch import Rollout
+
+if TYPE_CHECKING:
+    from services.core.limits import Limits
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -35,9 +37,7 @@ __all__ = [
     "check_schema_version",
     "message",
     "parse_message",
-    "rollout_from_proto",
     "rollout_to_proto",
-    "score_batch_to_tensors",
     "score_from_proto",
     "score_to_proto",
     "train_batch_from_proto",
@@ -140,10 +140,12 @@ def rollout_to_proto(r: Rollout, batch_id: str, sampling: Any = None,
     return msg
 
 
-def validate_rollout_batch(msg: pb.RolloutBatch, max_bytes: int) -> Rollout:
+def validate_rollout_batch(msg: pb.RolloutBatch, max_bytes: int, limits: Limits | None = None, *,
+                           max_rows: int | None = None) -> Rollout:
     """Check a RolloutBatch against the padded layout and return it as a Rollout: B task ids,
     [B, P] int64/bool prompt, [B, R] int64/bool/float32 response, [B] group ids, log-probs finite
-    wherever the response mask is set. `max_bytes` bounds each tensor."""
+    wherever the response mask is set. `max_bytes` bounds each tensor; `limits` adds the run's
+    semantics (versions, ids, vocabulary, lengths, at most `max_rows` rows, default one message's)."""
     check_schema_version(msg)
     owner = f"RolloutBatch {msg.batch_id!r}"
     b = len(msg.task_ids)
@@ -162,6 +164,10 @@ def validate_rollout_batch(msg: pb.RolloutBatch, max_bytes: int) -> Rollout:
     versions = get("versions", "int64", (b,)) if msg.HasField("versions") else None
     if msg.finish_reasons and len(msg.finish_reasons) != b:
         raise WireError("shape_mismatch", f"{owner}: {len(msg.finish_reasons)} finish_reasons for {b} rows")
+    group_ids = get("group_ids", "int64", (b,))
+    if limits is not None:
+        limits.check_rollout(msg, prompt_ids, response_ids, group_ids, versions,
+                             max_rows=max_rows or limits.rows_per_message)
     return Rollout(
         task_ids=list(msg.task_ids),
         prompt_ids=prompt_ids,
@@ -169,15 +175,10 @@ def validate_rollout_batch(msg: pb.RolloutBatch, max_bytes: int) -> Rollout:
         response_ids=response_ids,
         response_mask=response_mask,
         behaviour_logprobs=logprobs,
-        group_ids=get("group_ids", "int64", (b,)),
+        group_ids=group_ids,
         version=int(msg.version),
         versions=versions,
     )
-
-
-def rollout_from_proto(msg: pb.RolloutBatch, max_bytes: int) -> Rollout:
-    """Alias of `validate_rollout_batch`: there is no unvalidated way in."""
-    return validate_rollout_batch(msg, max_bytes)
 
 
 # -- scores --------------------------------------------------------------------------------------
@@ -208,9 +209,11 @@ def score_to_proto(batch_id: str, stage: str, task_ids: Sequence[str], scores: t
 
 
 def score_from_proto(msg: pb.ScoreBatch, *, max_bytes: int, expected_stage: str | None = None,
-                     expected_rows: int | None = None, expected_cols: int | None = None) -> Scores:
+                     expected_rows: int | None = None, expected_cols: int | None = None,
+                     limits: Limits | None = None) -> Scores:
     """Validate a ScoreBatch: known stage (and the expected one), exactly that stage's field set,
-    float32 of shape [B] (reward) or [B, R] (reference, critic), every value finite."""
+    float32 of shape [B] (reward) or [B, R] (reference, critic), every value finite; with `limits`,
+    task ids of the run's grammar, a version inside the run and R inside max_new_tokens."""
     check_schema_version(msg)
     owner = f"ScoreBatch {msg.batch_id!r}"
     field = STAGE_FIELDS.get(msg.stage)
@@ -229,15 +232,14 @@ def score_from_proto(msg: pb.ScoreBatch, *, max_bytes: int, expected_stage: str 
     shape: tuple[int | None, ...] = (b,) if msg.stage == "reward" else (b, expected_cols)
     t = _tensor(msg, field, owner, max_bytes=max_bytes, dtype="float32", shape=shape)
     _require_finite(t, field)
+    if limits is not None:
+        limits.check_task_ids(msg.task_ids, owner)
+        limits.check_version(int(msg.version), f"{owner}: version")
+        if t.dim() == 2 and t.shape[1] > limits.max_new_tokens:
+            raise WireError("response_too_long", f"{owner}: {field} has {t.shape[1]} columns, more than"
+                            f" generation.max_new_tokens {limits.max_new_tokens}")
     return Scores(batch_id=msg.batch_id, stage=msg.stage, task_ids=list(msg.task_ids),
                   version=int(msg.version), tensor=t, score_seconds=float(msg.score_seconds))
-
-
-def score_batch_to_tensors(msg: pb.ScoreBatch, expected_stage: str, expected_rows: int,
-                           expected_cols: int | None, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Scores:
-    """`score_from_proto` with the expectations the controller always has (stage, B, R)."""
-    return score_from_proto(msg, max_bytes=max_bytes, expected_stage=expected_stage,
-                            expected_rows=expected_rows, expected_cols=expected_cols)
 
 
 # -- training batches ----------------------------------------------------------------------------
@@ -268,17 +270,23 @@ def train_batch_to_proto(r: Rollout, *, step: int, batch_id: str, target_version
 
 
 def train_batch_from_proto(msg: pb.TrainBatch, max_bytes: int, *,
-                           require: Iterable[str] = ()) -> TrainRequest:
+                           require: Iterable[str] = (), limits: Limits | None = None) -> TrainRequest:
     """Validate a TrainBatch (its rollout as `validate_rollout_batch`, extra tensors float32 [B, R]
-    or [B] and finite). `require` names fields this trainer cannot do without, e.g. ("advantages",)."""
+    or [B] and finite). `require` names fields this trainer cannot do without, e.g. ("advantages",);
+    `limits` adds the run's semantics (a step's rows, target_version = step + 1 inside the run)."""
     check_schema_version(msg)
-    owner = f"TrainBatch {msg.batch_id!r} (step {msg.step})"
+    owner = f"TrainBatch {msg.batch_id[:40]!r} (step {msg.step})"
+    if limits is not None:
+        limits.check_version(int(msg.target_version), f"{owner}: target_version", at_least=1)
+        if msg.target_version != msg.step + 1:
+            raise WireError("bad_version", f"{owner}: target_version {msg.target_version} is not step + 1")
     for field in require:
         if not msg.HasField(field):
             raise WireError("missing_field", f"{owner}: tensor {field!r} is not set")
     if not msg.HasField("rollout"):
         raise WireError("missing_field", f"{owner}: rollout is not set")
-    rollout = validate_rollout_batch(msg.rollout, max_bytes)
+    rollout = validate_rollout_batch(msg.rollout, max_bytes, limits,
+                                     max_rows=limits.samples_per_step if limits else None)
     b, r = rollout.response_ids.shape
     for field in (*_TRAIN_TOKEN_FIELDS, "rewards"):
         if msg.HasField(field):

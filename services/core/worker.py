@@ -8,6 +8,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_never, wait_exponential
+
 from services.core.bus import Bus, BusUnavailable, Message
 from services.core.codec import WireError
 from services.core.journal import JournalFull
@@ -33,9 +35,14 @@ TRANSIENT = (BusUnavailable, JournalFull)
 
 
 def rejection_reason(err: BaseException) -> str | None:
+    """The dead-letter reason for an error a message's content caused, None for anything else.
+    Validation names the field (WireError, Rejected); a ValueError that escaped it still came from
+    the message's values, so it is a rejection too: retried, it would crash-loop the service."""
     if isinstance(err, WireError | Rejected):
         return err.reason
-    return getattr(err, "reason", None) if isinstance(err, ValueError) else None
+    if isinstance(err, ValueError):
+        return str(getattr(err, "reason", None) or "invalid_content")
+    return None
 
 
 class StreamWorker:
@@ -61,7 +68,6 @@ class StreamWorker:
         self.in_flight = 0
         self.handled = 0
         self.redis_ok = True
-        self.transient_error: str | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -70,23 +76,36 @@ class StreamWorker:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    def _backoff(self, *, interruptible: bool) -> AsyncRetrying:
+        """One retry policy for every Redis wait of the worker: exponential backoff from 0.2 s to
+        5 s, for as long as it takes (the work is durable; giving up would only crash the service).
+        An interruptible wait also ends when the worker is stopped: what it held stays pending."""
+        return AsyncRetrying(
+            retry=retry_if_exception_type(TRANSIENT),
+            wait=wait_exponential(multiplier=0.2, min=0.2, max=5.0),
+            stop=(lambda _: self._stop.is_set()) if interruptible else stop_never,
+            sleep=self._sleep if interruptible else asyncio.sleep,
+            before_sleep=self._on_transient,
+            reraise=True,
+        )
+
+    def _on_transient(self, state: RetryCallState) -> None:
+        err = state.outcome.exception() if state.outcome is not None else None
+        self.redis_ok = not isinstance(err, BusUnavailable)
+        log.warning("dependency unavailable; retrying", extra={"stream": self.stream, "error": str(err)[:300]})
+
     async def run(self) -> None:
-        backoff = 0.2
         while not self._stop.is_set():
             try:
-                if self.gate is not None:
-                    await self.gate()
-                    if self._stop.is_set():
-                        break
-                msgs = await self.bus.read(self.stream, self.group, self.consumer, self.count, self.block_ms)
-                self.redis_ok = True
-                backoff = 0.2
-            except BusUnavailable as e:
-                self.redis_ok = False
-                log.warning("redis unavailable; retrying", extra={"stream": self.stream, "error": str(e)})
-                await self._sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
+                async for attempt in self._backoff(interruptible=True):
+                    with attempt:
+                        if self.gate is not None:
+                            await self.gate()
+                        msgs = [] if self._stop.is_set() else await self.bus.read(
+                            self.stream, self.group, self.consumer, self.count, self.block_ms)
+            except TRANSIENT:
+                break  # stopped while Redis was away
+            self.redis_ok = True
             for msg in msgs:
                 await self._process(msg)
 
@@ -94,20 +113,13 @@ class StreamWorker:
         self.in_flight += 1
         try:
             try:
-                backoff = 0.2
-                while True:
-                    try:
+                # "Not now" failures are retried in place; if the worker is stopped meanwhile, the
+                # message stays pending for a replacement.
+                async for attempt in self._backoff(interruptible=True):
+                    with attempt:
                         await self.handle(msg)
-                        break
-                    except TRANSIENT as err:
-                        self.redis_ok = not isinstance(err, BusUnavailable)
-                        self.transient_error = str(err)
-                        log.warning("dependency unavailable; retrying the message", extra={
-                            "stream": self.stream, "id": msg.id, "error": str(err)[:300]})
-                        if self._stop.is_set():
-                            return
-                        await self._sleep(backoff)
-                        backoff = min(backoff * 2, 5.0)
+            except TRANSIENT:
+                return
             except Exception as err:
                 reason = rejection_reason(err)
                 if reason is None:
@@ -115,29 +127,22 @@ class StreamWorker:
                 log.warning("message rejected", extra={
                     "stream": self.stream, "group": self.group, "id": msg.id, "reason": reason,
                     "error": str(err)[:500],
-                })
+                }, exc_info=not isinstance(err, WireError | Rejected))
                 self.metrics.dead_letters.labels(reason=reason).inc()
                 why = f"{reason}: {err}"
                 await self._retrying(lambda: self.bus.dead_letter(msg, self.group, why))
                 return
             await self._retrying(lambda: self.bus.ack(msg, self.group))
             self.handled += 1
-            self.transient_error = None
         finally:
             self.in_flight -= 1
 
     async def _retrying(self, op: Callable[[], Awaitable[object]]) -> None:
-        """The result is already durable; an ack lost to an outage is retried, and if we die first
-        the entry is redelivered and deduplicated downstream."""
-        backoff = 0.2
-        while True:
-            try:
+        """The result is already durable; an ack lost to an outage is retried even while stopping,
+        and if we die first the entry is redelivered and deduplicated downstream."""
+        async for attempt in self._backoff(interruptible=False):
+            with attempt:
                 await op()
-                return
-            except BusUnavailable:
-                self.redis_ok = False
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
 
     async def _sleep(self, s: float) -> None:
         try:

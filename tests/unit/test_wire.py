@@ -15,13 +15,12 @@ from services.core.wire import (
     check_schema_version,
     message,
     parse_message,
-    rollout_from_proto,
     rollout_to_proto,
-    score_batch_to_tensors,
     score_from_proto,
     score_to_proto,
     train_batch_from_proto,
     train_batch_to_proto,
+    validate_rollout_batch,
 )
 from services.rl.batch import Rollout
 
@@ -69,7 +68,7 @@ def test_rollout_round_trip_through_bytes(versions: bool) -> None:
     msg = parse_message(pb.RolloutBatch, data, max_bytes=MB)
     assert msg.schema_version == SCHEMA_VERSION and msg.batch_id == "b-1"
     assert msg.sampling.top_k == 5 and msg.finish_reasons[0] == "length" and msg.generate_seconds == 1.5
-    assert_same_rollout(rollout_from_proto(msg, MB), r)
+    assert_same_rollout(validate_rollout_batch(msg, MB), r)
 
 
 def test_empty_rollout_round_trips() -> None:
@@ -77,7 +76,7 @@ def test_empty_rollout_round_trips() -> None:
     r = Rollout(task_ids=[], prompt_ids=ids, prompt_mask=mask, response_ids=ids, response_mask=mask,
                 behaviour_logprobs=torch.zeros(0, 0), group_ids=torch.zeros(0, dtype=torch.long))
     msg = parse_message(pb.RolloutBatch, rollout_to_proto(r, "empty").SerializeToString(), max_bytes=MB)
-    assert_same_rollout(rollout_from_proto(msg, MB), r)
+    assert_same_rollout(validate_rollout_batch(msg, MB), r)
 
 
 @pytest.mark.parametrize(("stage", "shape"), [("reward", (B,)), ("reference", (B, R)), ("critic", (B, R))])
@@ -85,7 +84,7 @@ def test_score_round_trip(stage: str, shape: tuple[int, ...]) -> None:
     t = torch.randn(shape)
     data = score_to_proto("b-1", stage, [f"t{i}" for i in range(B)], t, version=2, score_seconds=0.25)
     msg = parse_message(pb.ScoreBatch, data.SerializeToString(), max_bytes=MB)
-    s = score_batch_to_tensors(msg, stage, B, R)
+    s = score_from_proto(msg, max_bytes=MB, expected_stage=stage, expected_rows=B, expected_cols=R)
     assert (s.stage, s.batch_id, s.version, s.score_seconds) == (stage, "b-1", 2, 0.25)
     assert s.task_ids == [f"t{i}" for i in range(B)] and torch.equal(s.tensor, t)
 
@@ -151,7 +150,7 @@ def test_nan_reward_rejected(bad: float, shown: str) -> None:
     rewards = torch.tensor([1.0, 0.0, bad, 1.0])
     msg = score_to_proto("b-1", "reward", [f"t{i}" for i in range(B)], rewards)
     with pytest.raises(WireError) as exc:
-        score_batch_to_tensors(msg, "reward", B, None)
+        score_from_proto(msg, max_bytes=MB, expected_stage="reward", expected_rows=B, expected_cols=None)
     assert exc.value.reason == "non_finite"
     assert str(exc.value).startswith(f"tensor 'rewards': non-finite value {shown} at row 2")
 
@@ -168,7 +167,7 @@ def test_non_finite_logprob_under_mask_rejected() -> None:
     r = make_rollout()
     r.behaviour_logprobs[1, 1] = float("-inf")
     with pytest.raises(WireError) as exc:
-        rollout_from_proto(rollout_to_proto(r, "b-1"), MB)
+        validate_rollout_batch(rollout_to_proto(r, "b-1"), MB)
     assert exc.value.reason == "non_finite"
     assert "tensor 'behaviour_logprobs': non-finite value -inf at row 1, column 1" in str(exc.value)
 
@@ -177,13 +176,13 @@ def test_wrong_tensor_shape_rejected() -> None:
     msg = rollout_to_proto(make_rollout(), "b-1")
     msg.response_mask.CopyFrom(pb.Tensor(dtype="bool", shape=[B, R + 1], data=b"\x01" * (B * (R + 1))))
     with pytest.raises(WireError) as exc:
-        rollout_from_proto(msg, MB)
+        validate_rollout_batch(msg, MB)
     assert exc.value.reason == "shape_mismatch"
     assert str(exc.value) == f"tensor 'response_mask': shape ({B}, {R + 1}), expected ({B}, {R})"
 
     values = score_to_proto("b-1", "critic", [f"t{i}" for i in range(B)], torch.zeros(B, R - 1))
     with pytest.raises(WireError) as exc:
-        score_batch_to_tensors(values, "critic", B, R)
+        score_from_proto(values, max_bytes=MB, expected_stage="critic", expected_rows=B, expected_cols=R)
     assert exc.value.reason == "shape_mismatch" and "'values'" in str(exc.value)
 
 
@@ -191,7 +190,7 @@ def test_rows_disagreeing_with_task_ids_rejected() -> None:
     msg = rollout_to_proto(make_rollout(), "b-1")
     msg.task_ids.append("extra")
     with pytest.raises(WireError) as exc:
-        rollout_from_proto(msg, MB)
+        validate_rollout_batch(msg, MB)
     assert exc.value.reason == "shape_mismatch" and "'prompt_ids'" in str(exc.value)
 
 
@@ -200,7 +199,7 @@ def test_wrong_tensor_dtype_rejected() -> None:
     msg = rollout_to_proto(r, "b-1")
     msg.group_ids.CopyFrom(pb.Tensor(dtype="int32", shape=[B], data=b"\0" * 4 * B))
     with pytest.raises(WireError) as exc:
-        rollout_from_proto(msg, MB)
+        validate_rollout_batch(msg, MB)
     assert exc.value.reason == "dtype_mismatch" and "'group_ids'" in str(exc.value)
 
 
@@ -208,7 +207,7 @@ def test_missing_tensor_rejected() -> None:
     msg = rollout_to_proto(make_rollout(), "b-1")
     msg.ClearField("behaviour_logprobs")
     with pytest.raises(WireError) as exc:
-        rollout_from_proto(msg, MB)
+        validate_rollout_batch(msg, MB)
     assert exc.value.reason == "missing_field" and "'behaviour_logprobs'" in str(exc.value)
 
 
@@ -216,18 +215,18 @@ def test_duplicate_task_id_rejected() -> None:
     msg = rollout_to_proto(make_rollout(), "b-1")
     msg.task_ids[3] = "t0"
     with pytest.raises(WireError) as exc:
-        rollout_from_proto(msg, MB)
+        validate_rollout_batch(msg, MB)
     assert exc.value.reason == "duplicate_task_id" and "'t0'" in str(exc.value)
 
 
 def test_score_stage_is_checked() -> None:
     msg = score_to_proto("b-1", "reward", ["a"], torch.ones(1))
     with pytest.raises(WireError) as exc:
-        score_batch_to_tensors(msg, "critic", 1, R)
+        score_from_proto(msg, max_bytes=MB, expected_stage="critic", expected_rows=1, expected_cols=R)
     assert exc.value.reason == "stage_mismatch"
     msg.values.CopyFrom(pb.Tensor(dtype="float32", shape=[1, 1], data=b"\0" * 4))
     with pytest.raises(WireError) as exc:
-        score_batch_to_tensors(msg, "reward", 1, None)
+        score_from_proto(msg, max_bytes=MB, expected_stage="reward", expected_rows=1, expected_cols=None)
     assert exc.value.reason == "unexpected_field" and "values" in str(exc.value)
     msg.stage = "judge"
     with pytest.raises(WireError) as exc:

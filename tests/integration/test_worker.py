@@ -1,0 +1,80 @@
+"""The stream worker's delivery rules against a real redis-server: content errors are dead-lettered
+with a reason and the loop goes on, bugs still fail fast with the message left pending, and "not
+now" failures are retried in place by the one backoff policy."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from services.core.bus import Bus, BusUnavailable, Message
+from services.core.metrics import ServiceMetrics
+from services.core.redis_proc import RedisProcess
+from services.core.worker import StreamWorker
+
+
+def run_worker(rp: RedisProcess, payloads: list[bytes],
+               handle: Callable[[StreamWorker, Message], Awaitable[None]]) -> BaseException | None:
+    async def main() -> BaseException | None:
+        bus = await Bus.connect(rp.url, "w")
+        stream = bus.keys.prompts
+        await bus.ensure_groups(stream, ["g"])
+        for i, data in enumerate(payloads):
+            await bus.publish(stream, data, kind="prompts", batch_id=f"b{i}")
+        worker = StreamWorker(bus, stream, "g", "c1", lambda m: handle(worker, m), ServiceMetrics("t"),
+                              block_ms=100)
+        try:
+            await asyncio.wait_for(worker.run(), 30)
+        except Exception as err:  # what the service's main loop would die of
+            return err
+        finally:
+            await bus.close()
+        return None
+
+    return asyncio.run(main())
+
+
+def test_a_value_error_from_a_message_is_dead_lettered_and_the_loop_goes_on(redis_server: RedisProcess) -> None:
+    seen: list[bytes] = []
+
+    async def handle(w: StreamWorker, msg: Message) -> None:
+        if msg.data == b"bad":
+            raise ValueError("temperature must be >= 0 (0 = greedy), got -1.0")  # what SamplingParams raises
+        seen.append(msg.data)
+        w.stop()
+
+    err = run_worker(redis_server, [b"bad", b"good"], handle)
+    assert err is None and seen == [b"good"]
+    r = redis_server.client()
+    dead = [f for _, f in r.xrange("rlfleet:w:dead")]
+    assert [d[b"reason"] for d in dead] == [b"invalid_content: temperature must be >= 0 (0 = greedy), got -1.0"]
+    assert r.xpending("rlfleet:w:prompts", "g")["pending"] == 0
+
+
+def test_a_bug_in_the_handler_fails_fast_and_leaves_the_message_pending(redis_server: RedisProcess) -> None:
+    async def handle(w: StreamWorker, msg: Message) -> None:
+        raise RuntimeError("a bug")
+
+    err = run_worker(redis_server, [b"x"], handle)
+    assert isinstance(err, RuntimeError)
+    r = redis_server.client()
+    assert r.xlen("rlfleet:w:dead") == 0
+    assert r.xpending("rlfleet:w:prompts", "g")["pending"] == 1
+
+
+def test_a_transient_failure_is_retried_in_place_then_acknowledged(redis_server: RedisProcess) -> None:
+    calls: list[bool] = []
+
+    async def handle(w: StreamWorker, msg: Message) -> None:
+        calls.append(w.redis_ok)
+        if len(calls) < 3:
+            raise BusUnavailable("127.0.0.1:1", "connection refused")
+        w.stop()
+
+    err = run_worker(redis_server, [b"x"], handle)
+    assert err is None
+    # Each failure was seen (redis marked unreachable) and the message handled once it passed.
+    assert calls == [True, False, False]
+    r = redis_server.client()
+    assert r.xlen("rlfleet:w:dead") == 0
+    assert r.xpending("rlfleet:w:prompts", "g")["pending"] == 0

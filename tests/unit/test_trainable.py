@@ -1,0 +1,81 @@
+"""Trainable's weights from a path: all or nothing, optimizer state with an rlfleet checkpoint and
+reset without one, and the version gate (never backwards, never past the committed version)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from services.core.config import parse_config
+from services.core.trainable import Trainable, WeightsRefused
+from services.models.checkpoint import save_checkpoint
+
+
+def trainable(tmp_path: Path, seed: int = 0) -> Trainable:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()  # some optimizer state, as a trained actor has
+    cfg = parse_config({"run": {"dir": str(tmp_path / "run")}})
+    return Trainable(cfg, "actor", model, opt)
+
+
+def params(t: Trainable) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in t.model.parameters()]
+
+
+def test_a_checkpoint_brings_its_weights_and_optimizer_state(tmp_path: Path) -> None:
+    src = trainable(tmp_path, seed=1)
+    ckpt = save_checkpoint(tmp_path / "ckpt", "actor", 5, 4, src.model, src.optimizer)
+    dst = trainable(tmp_path, seed=2)
+    assert dst.load_weights(ckpt, 5) == 4
+    for a, b in zip(params(dst), params(src), strict=True):
+        torch.testing.assert_close(a, b)
+    exp_avg = [dst.optimizer.state[p]["exp_avg"] for p in dst.model.parameters()]
+    for a, p in zip(exp_avg, src.model.parameters(), strict=True):
+        torch.testing.assert_close(a, src.optimizer.state[p]["exp_avg"])
+    with pytest.raises(WeightsRefused, match="version 5, not 6"):
+        dst.load_weights(ckpt, 6)
+
+
+def test_safetensors_weights_reset_the_optimizer_and_a_mismatch_changes_nothing(tmp_path: Path) -> None:
+    src = trainable(tmp_path, seed=1)
+    good = tmp_path / "good"
+    good.mkdir()
+    save_file({k: v.contiguous() for k, v in src.model.state_dict().items()}, str(good / "model.safetensors"))
+    dst = trainable(tmp_path, seed=2)
+    assert dst.load_weights(good, 3) == 2
+    assert not dst.optimizer.state  # moments of other weights would steer the next step wrong
+    torch.testing.assert_close(params(dst)[0], params(src)[0])
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    wrong = dict(src.model.state_dict())
+    wrong["1.weight"] = torch.zeros(5, 3)  # the first tensor fits, the last does not
+    save_file({k: v.contiguous() for k, v in wrong.items()}, str(bad / "model.safetensors"))
+    fresh = trainable(tmp_path, seed=3)
+    before = params(fresh)
+    with pytest.raises(WeightsRefused, match="shape mismatch") as err:
+        fresh.load_weights(bad, 4)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    for a, b in zip(params(fresh), before, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(WeightsRefused, match="neither"):
+        fresh.load_weights(tmp_path, 4)
+
+
+def test_weights_never_go_backwards_nor_past_the_committed_version(tmp_path: Path) -> None:
+    t = trainable(tmp_path)
+    t.version = 4
+    t.check_weights_version(4, committed=4)
+    t.check_weights_version(6, committed=6)
+    for version, committed, word in ((3, 9, "backwards"), (7, 6, "ahead")):
+        with pytest.raises(WeightsRefused, match=word) as err:
+            t.check_weights_version(version, committed)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
