@@ -24,9 +24,10 @@ from services.core.config import RunConfig
 from services.core.events import EventLog
 from services.core.ids import batch_id as make_batch_id
 from services.core.ids import generation_seed, parse_task_id, task_id
-from services.core.journal import Journal, JournalFull, TaskSpec
+from services.core.journal import JournalFull, TaskSpec
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
+from services.core.run_binding import open_run_journal
 from services.core.runtime import ServiceRuntime, make_channel, rpc
 from services.core.wire import (
     check_schema_version,
@@ -56,9 +57,7 @@ class Controller:
         self.stages = cfg.stages()
         self.trainable = ["actor", "critic"] if cfg.algo.needs_critic else ["actor"]
         run_dir = cfg.run_dir
-        j = cfg.journal
-        self.journal = Journal.open(cfg.journal_dir, map_size=j.map_size_bytes, max_map_size=j.max_map_size_bytes,
-                                    stages=tuple(self.stages), trainable=tuple(self.trainable))
+        self.journal = open_run_journal(cfg, stages=tuple(self.stages), trainable=tuple(self.trainable))
         self.journal_error: str | None = None
         self.events = EventLog(run_dir / "events.jsonl")
         self.metrics_path = run_dir / "metrics.jsonl"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
@@ -25,8 +25,9 @@ class BusQueues:
     keys: StreamKeys
     _groups: dict[str, set[str]]
 
-    async def _run(self, op: str, call: Awaitable[T], *, extra_s: float = 0.0) -> T:
-        raise NotImplementedError  # Bus's
+    if TYPE_CHECKING:  # provided by Bus; declared only for the type checker
+
+        async def _run(self, op: str, call: Awaitable[T], *, extra_s: float = 0.0) -> T: ...
 
     # -- backpressure -----------------------------------------------------------------------------
     async def group_backlog(self, stream: str, group: str) -> tuple[int, int]:
