@@ -21,7 +21,7 @@ import grpc
 from services.controller.assembler import StepAssembler, prompt_batch_of
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
-from services.core.events import EventLog
+from services.core.events import AppendOnlyFile, EventLog
 from services.core.ids import batch_id as make_batch_id
 from services.core.ids import generation_seed, parse_task_id, task_id
 from services.core.journal import JournalFull, TaskSpec
@@ -61,6 +61,7 @@ class Controller:
         self.journal_error: str | None = None
         self.events = EventLog(run_dir / "events.jsonl")
         self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics_file = AppendOnlyFile(self.metrics_path, fsync=False)  # holds rows while the disk is full
         self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step)
         self.runtime = ServiceRuntime.from_config(
             cfg, "controller", readiness=self.readiness, status=self.status, on_drain=self.on_drain)
@@ -131,6 +132,7 @@ class Controller:
         if self.bus is not None:
             await self.bus.close()
         self.events.close()
+        self.metrics_file.close()
         self.journal.close()
 
     # -- admission -----------------------------------------------------------------------------------
@@ -491,8 +493,7 @@ class Controller:
             "advantage_s": t_adv - t0, "train_s": t_train - t_adv, "step_s": elapsed, "staleness": staleness,
             **{f"queue_{k}": v for k, v in depths.items()},
         }
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        self.metrics_file.append((json.dumps(row) + "\n").encode())
         self.last = {k: row[k] for k in ("step", "reward_mean", "tokens_per_s", "staleness") if k in row}
         if "kl" in row:
             self.last["kl"] = row["kl"]

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from services.core.lmdb_store import StoreFull
+
 _MAX_KEY_BYTES = 511  # LMDB's compiled-in maximum key size
 
 
@@ -18,7 +20,7 @@ class JournalError(RuntimeError):
     """An operation the journal refuses: an illegal transition, an unknown task, a broken invariant."""
 
 
-class JournalFull(JournalError):
+class JournalFull(JournalError, StoreFull):
     """The journal cannot grow: its map reached `max_map_size` or its filesystem is full.
 
     Nothing of the failed transaction was written; the last committed state is intact and the

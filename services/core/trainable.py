@@ -20,7 +20,7 @@ from torch import nn
 from services.core.config import RunConfig
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.wire import message
-from services.models.checkpoint import latest_meta, load_latest, prune, save_checkpoint
+from services.models.checkpoint import CheckpointDiskFull, latest_meta, load_latest, prune, save_checkpoint
 
 log = logging.getLogger("rlfleet.trainable")
 
@@ -51,7 +51,13 @@ class Trainable:
         """Checkpoint the current version (no-op when it is already on disk)."""
         if self.version == 0 or self.version <= self.checkpoint_version:
             return
-        save_checkpoint(self.root, self.service, self.version, self.step, self.model, self.optimizer)
+        try:
+            save_checkpoint(self.root, self.service, self.version, self.step, self.model, self.optimizer)
+        except CheckpointDiskFull as err:
+            # Training goes on; the checkpoint is due again after the next step, and until one lands
+            # the controller keeps the batches a replacement would need.
+            log.warning("checkpoint skipped: disk full", extra={"service": self.service, "error": str(err)[:300]})
+            return
         self.checkpoint_version = self.version
         prune(self.root, self.service, keep=self.cfg.checkpoint.keep)
         log.info("checkpoint written", extra={"service": self.service, "version": self.version})

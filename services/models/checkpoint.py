@@ -77,6 +77,11 @@ class CheckpointCorrupt(CheckpointError):
     `load_latest` answers this by falling back to an older checkpoint."""
 
 
+class CheckpointDiskFull(CheckpointError):
+    """The disk filled up during a save: nothing was acknowledged, the previous checkpoint stays
+    `latest` and intact, and the half-written files are gone. Saving again once space returns works."""
+
+
 class CheckpointMismatch(CheckpointError):
     """An intact checkpoint that does not fit the modules it is loaded into (other architecture,
     other optimizer, no optimizer state). Not a disk problem, so `load_latest` does not fall back:
@@ -107,6 +112,39 @@ def version_dir_name(version: int) -> str:
 
 
 def save_checkpoint(
+    root: Path,
+    service: str,
+    version: int,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> Path:
+    """`_save_checkpoint`, with a full disk raised as `CheckpointDiskFull` (never half a checkpoint)."""
+    try:
+        return _save_checkpoint(root, service, version, step, model, optimizer)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        if not _is_disk_full(err):
+            raise
+        try:
+            free = f"{shutil.disk_usage(root).free} bytes free"
+        except OSError:
+            free = "free space unknown"
+        raise CheckpointDiskFull(
+            f"{service} checkpoint version {version} was not written to {root}: the disk is full ({free});"
+            " the previous checkpoint stays latest"
+        ) from err
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # safetensors reports I/O failures as its own error type, with the OS message inside.
+    return os.strerror(errno.ENOSPC) in str(err) or os.strerror(errno.EDQUOT) in str(err)
+
+
+def _save_checkpoint(
     root: Path,
     service: str,
     version: int,
