@@ -160,9 +160,10 @@ class JsonFormatter(logging.Formatter):
 
 
 class _DiskTolerantHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """A full disk under the log file drops records instead of printing a traceback per record
-    (onto the same full disk) or stopping the service; the first record written once space is
-    back says how many were lost."""
+    """A full disk under the log file costs log records, never the service, and prints no
+    traceback per record onto the same full disk. Records whose write failed are counted; the next
+    record that gets written is preceded by a note with that count (the stream's buffer may still
+    have written some of them: the count is an upper bound of what was lost)."""
 
     dropped = 0
 
@@ -170,8 +171,8 @@ class _DiskTolerantHandler(logging.StreamHandler):  # type: ignore[type-arg]
         if self.dropped:
             lost, self.dropped = self.dropped, 0
             note = logging.LogRecord(record.name, logging.WARNING, __file__, 0,
-                                     "log records dropped while the disk was full", None, None)
-            note.dropped_records = lost
+                                     "log records may be lost: the disk was full", None, None)
+            note.failed_writes = lost
             super().emit(note)
             if self.dropped:  # still full: it was the note that got dropped, not a record
                 self.dropped = lost
