@@ -22,9 +22,10 @@ logged. Queue inspection and trimming live in `bus_queues`, names and encoding i
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import redis.asyncio as aioredis
@@ -194,7 +195,7 @@ class Bus(BusQueues):
         log_event(logging.INFO, "bus.connected", endpoint=bus.endpoint, run=run)
         return bus
 
-    async def _until_startup_deadline(self, op: str, call: Any) -> Any:
+    async def _until_startup_deadline(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run `call()`, retrying `BusUnavailable` with backoff until the start-up deadline."""
         delay = 0.2
         while True:
@@ -227,7 +228,7 @@ class Bus(BusQueues):
         duplicates are absorbed by put-if-absent results)."""
         for group in groups:
             check_name("group", group)
-            await self._until_startup_deadline("ensure_groups", lambda g=group: self._create_group(stream, g))
+            await self._until_startup_deadline("ensure_groups", functools.partial(self._create_group, stream, group))
             self._groups.setdefault(stream, set()).add(group)
 
     async def _create_group(self, stream: str, group: str) -> None:

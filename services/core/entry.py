@@ -50,6 +50,5 @@ def service_main(name: str, serve: Callable[[RunConfig], None]) -> None:
     try:
         serve(cfg)
     except ConfigError as err:  # found while building the service (e.g. a journal of another run)
-        logging.getLogger("rlfleet").error("start-up refused", extra={"error": str(err)})
         print(f"{name}: {err}", file=sys.stderr)
         sys.exit(2)

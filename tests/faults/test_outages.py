@@ -82,8 +82,13 @@ def small_filesystem(path: Path, size: str) -> Iterator[Path]:
 
 
 def fill(path: Path) -> None:
-    """Take every free byte of `path`'s filesystem (down to the page the filesystem allocates)."""
+    """Take every free byte of `path`'s filesystem (down to the page the filesystem allocates),
+    at once: a tiny run's step takes a fraction of a second."""
+    st = os.statvfs(path.parent)
     with path.open("ab", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(f.fileno(), 0, max(1, st.f_bavail * st.f_frsize - (1 << 20)))
+        f.seek(0, os.SEEK_END)
         for chunk in (1 << 20, 64 << 10, 4 << 10, 512):
             with contextlib.suppress(OSError):
                 while True:
@@ -97,7 +102,8 @@ def test_a_full_disk_under_the_run_dir_holds_the_fleet_until_space_returns(
     metrics, logs, checkpoints, the outbox. Filling it makes Redis refuse writes (MISCONF) and every
     other write fail with ENOSPC; the fleet must hold, report not ready and resume."""
     with small_filesystem(tmp_path / "run", "96m") as run_dir:
-        cfg = fault_config(run_dir, tiny_model, journal={"min_free_bytes": 512 * 1024})
+        # Enough steps that the run is still going when the disk fills (steps take ~0.3 s here).
+        cfg = fault_config(run_dir, tiny_model, run={"max_steps": 30}, journal={"min_free_bytes": 512 * 1024})
         run = run_factory(cfg)
         fleet = run.fleet
         assert fleet.cfg is not None and fleet.redis is not None
