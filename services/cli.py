@@ -82,6 +82,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from services.report import write_report
 
     cfg = _load(args)
+    cfg.check_secrets()  # before anything starts: a configured secret that is missing fails closed
     console = Console()
     fleet = Fleet(cfg, restart_budget=args.restart_budget)
     code = 1

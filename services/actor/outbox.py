@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from services.core.bus import BusUnavailable
-from services.core.lmdb_store import LmdbStore
+from services.core.lmdb_store import LmdbStore, StoreFull
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,11 @@ class OutboxError(RuntimeError):
     """An outbox operation that cannot succeed (closed, bad argument, unreadable record)."""
 
 
-class OutboxFull(OutboxError):
+class OutboxFull(OutboxError, StoreFull):
     """The outbox cannot grow: its map reached `max_map_size` or its filesystem is full.
 
     Nothing of the failed `put` was written; earlier entries are intact. The actor must not ack the
-    prompt then: it is redelivered and generated again once there is room."""
+    prompt then: its worker holds the message and retries it (a `StoreFull`) until there is room."""
 
 
 @dataclass(frozen=True)

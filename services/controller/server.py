@@ -21,13 +21,14 @@ import grpc
 from services.controller.assembler import StepAssembler, prompt_batch_of
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
-from services.core.events import EventLog
+from services.core.events import AppendOnlyFile, EventLog
 from services.core.ids import batch_id as make_batch_id
 from services.core.ids import generation_seed, parse_task_id, task_id
-from services.core.journal import Journal, JournalFull, TaskSpec
+from services.core.journal import JournalFull, TaskSpec
 from services.core.limits import Limits
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
+from services.core.run_binding import open_run_journal
 from services.core.runtime import ServiceRuntime, make_channel, rpc
 from services.core.wire import (
     check_schema_version,
@@ -58,12 +59,11 @@ class Controller:
         self.limits = Limits.for_run(cfg)
         self.trainable = ["actor", "critic"] if cfg.algo.needs_critic else ["actor"]
         run_dir = cfg.run_dir
-        j = cfg.journal
-        self.journal = Journal.open(cfg.journal_dir, map_size=j.map_size_bytes, max_map_size=j.max_map_size_bytes,
-                                    stages=tuple(self.stages), trainable=tuple(self.trainable))
+        self.journal = open_run_journal(cfg, stages=tuple(self.stages), trainable=tuple(self.trainable))
         self.journal_error: str | None = None
         self.events = EventLog(run_dir / "events.jsonl")
         self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics_file = AppendOnlyFile(self.metrics_path, fsync=False)  # holds rows while the disk is full
         self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step)
         self.runtime = ServiceRuntime.from_config(
             cfg, "controller", readiness=self.readiness, status=self.status, on_drain=self.on_drain)
@@ -134,6 +134,7 @@ class Controller:
         if self.bus is not None:
             await self.bus.close()
         self.events.close()
+        self.metrics_file.close()
         self.journal.close()
 
     # -- admission -----------------------------------------------------------------------------------
@@ -495,8 +496,7 @@ class Controller:
             "advantage_s": t_adv - t0, "train_s": t_train - t_adv, "step_s": elapsed, "staleness": staleness,
             **{f"queue_{k}": v for k, v in depths.items()},
         }
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        self.metrics_file.append((json.dumps(row) + "\n").encode())
         self.last = {k: row[k] for k in ("step", "reward_mean", "tokens_per_s", "staleness") if k in row}
         if "kl" in row:
             self.last["kl"] = row["kl"]

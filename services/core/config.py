@@ -353,12 +353,27 @@ class RunConfig(_Strict):
         return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
 
     def token(self) -> str | None:
-        env = self.security.token_env
-        return os.environ.get(env) or None if env else None
+        return _secret("security.token_env", self.security.token_env)
 
     def redis_password(self) -> str | None:
-        env = self.redis.password_env
-        return os.environ.get(env) or None if env else None
+        return _secret("redis.password_env", self.redis.password_env)
+
+    def check_secrets(self) -> None:
+        """Fail closed at start-up: a secret the config names but the environment lacks is a
+        `ConfigError` naming the variable, never a fleet running without it."""
+        self.token()
+        self.redis_password()
+
+
+def _secret(field: str, env: str | None) -> str | None:
+    if not env:
+        return None
+    value = os.environ.get(env)
+    if not value:
+        state = "unset" if value is None else "empty"
+        raise ConfigError(f"{field} names the environment variable {env}, but {env} is {state}; export it"
+                          f" (or remove {field} to run without it)")
+    return value
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

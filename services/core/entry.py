@@ -35,6 +35,7 @@ def service_main(name: str, serve: Callable[[RunConfig], None]) -> None:
     quiet_torch()
     try:
         cfg = load_config(args.config)
+        cfg.check_secrets()
     except ConfigError as err:
         print(str(err), file=sys.stderr)
         sys.exit(2)
@@ -46,4 +47,8 @@ def service_main(name: str, serve: Callable[[RunConfig], None]) -> None:
         ep = cfg.endpoint(name).model_copy(update={"grpc_port": 0, "http_port": 0})  # type: ignore[arg-type]
         cfg = cfg.model_copy(update={"services": {**cfg.services, name: ep}})
         os.environ["RLFLEET_INSTANCE"] = f"{name}-{args.replica}"
-    serve(cfg)
+    try:
+        serve(cfg)
+    except ConfigError as err:  # found while building the service (e.g. a journal of another run)
+        print(f"{name}: {err}", file=sys.stderr)
+        sys.exit(2)

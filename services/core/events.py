@@ -8,13 +8,19 @@ versions monotonic, resources bounded).
 Crash safety: a batch of events goes out in one `write` and is fsynced (unless `fsync=False`),
 so after a crash the file ends with whole lines plus at most one torn line. The reader skips a
 torn line; the writer cuts a torn tail off when it reopens the file (it was never acknowledged)
-so new events do not get glued onto it, and cuts back its own partial write if a write fails
-(disk full) so the next one starts on a clean line.
+so new events do not get glued onto it, and cuts back its own partial write if a write fails so
+the next one starts on a clean line.
+
+A full disk (ENOSPC, EDQUOT) does not stop the writer: lines that cannot be written are held in
+memory, in order, and go out with the next append (or `flush`) once space returns; `held_bytes`
+says how much is waiting. `AppendOnlyFile` is that writer, for any JSON-lines file (the
+controller's metrics.jsonl too).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -67,6 +73,96 @@ def validate(event: Event) -> None:
         raise ValueError(f"{event.kind} event lacks fields {missing}")
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# Held lines beyond this mean the disk has been full for very long; refusing then (OSError) is
+# better than growing without bound.
+MAX_HELD_BYTES = 256 << 20
+
+
+class AppendOnlyFile:
+    """Appends whole lines to `path`, one `write` (+ fsync) per call. Thread-safe; one writer
+    process per file. On a full disk the data is held, in order, until space returns."""
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.path = Path(path)
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._held: list[bytes] = []
+        self.held_bytes = 0
+        self._warned = False  # one warning per full-disk episode, not one per held line
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.path.exists()
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if created and fsync:
+            _fsync_dir(self.path.parent)  # the new file's directory entry must survive a crash too
+        _cut_torn_tail(self._fd, self.path)
+
+    def append(self, data: bytes) -> bool:
+        """Append `data` (whole lines) after anything held; True when all of it is on disk, False
+        when the disk is full and it is held. Other OS errors raise."""
+        with self._lock:
+            if self._fd is None:
+                raise ValueError(f"{self.path} is closed")
+            if data:
+                if self.held_bytes + len(data) > MAX_HELD_BYTES:
+                    raise OSError(errno.ENOSPC, f"{self.path}: disk full and {self.held_bytes} bytes already held")
+                self._held.append(data)
+                self.held_bytes += len(data)
+            return self._write_held()
+
+    def flush(self) -> bool:
+        """Try to write what is held; True when nothing is held any more."""
+        return self.append(b"")
+
+    def _write_held(self) -> bool:
+        assert self._fd is not None
+        if not self._held:
+            return True
+        data = b"".join(self._held)
+        # Where our write starts, read now rather than tracked: a second appender of the same
+        # file (the controller's metrics back-fill) must not be cut off by a failed write here.
+        start = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # os.write may write less than asked
+                n = os.write(self._fd, view)
+                view = view[n:]
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError as err:
+            # Cut our partial line so the next write starts clean; best effort, the reader
+            # tolerates a torn line anyway.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)
+            if err.errno not in _DISK_FULL:
+                raise
+            if not self._warned:
+                log.warning("disk full; holding lines until space returns",
+                            extra={"path": str(self.path), "held_bytes": self.held_bytes})
+                self._warned = True
+            self._held = [data]
+            return False
+        if self._warned:
+            log.info("disk has space again; held lines written", extra={"path": str(self.path), "bytes": len(data)})
+            self._warned = False
+        self._held.clear()
+        self.held_bytes = 0
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is None:
+                return
+            if self._held:
+                with contextlib.suppress(OSError):
+                    self._write_held()
+                if self._held:
+                    log.error("closing with lines never written (disk full)",
+                              extra={"path": str(self.path), "held_bytes": self.held_bytes})
+            os.close(self._fd)
+            self._fd = None
+
+
 class EventLog:
     """Appends events to `path`. Thread-safe; one writer process per file."""
 
@@ -76,13 +172,12 @@ class EventLog:
         self.path = Path(path)
         self.fsync = fsync
         self.validate_kinds = validate_kinds
-        self._lock = threading.Lock()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        created = not self.path.exists()
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if created and fsync:
-            _fsync_dir(self.path.parent)  # the new file's directory entry must survive a crash too
-        self._size = _cut_torn_tail(self._fd, self.path)
+        self._file = AppendOnlyFile(self.path, fsync=fsync)
+
+    @property
+    def held_bytes(self) -> int:
+        """Event bytes waiting for disk space (0 normally)."""
+        return self._file.held_bytes
 
     def emit(self, kind: str, *, ts: float | None = None, **fields: Any) -> Event:
         """Append one event (one write, one fsync) and return it."""
@@ -91,37 +186,21 @@ class EventLog:
         return ev
 
     def emit_many(self, events: Iterable[Event]) -> None:
-        """Append `events` as one write followed by one fsync: the batch costs one disk flush."""
+        """Append `events` as one write followed by one fsync: the batch costs one disk flush.
+        On a full disk they are held and written, in order, once space returns."""
         evs = list(events)
         if self.validate_kinds:
             for ev in evs:
                 validate(ev)
         data = b"".join(ev.to_line() for ev in evs)
-        if not data:
-            return
-        with self._lock:
-            if self._fd is None:
-                raise ValueError(f"event log {self.path} is closed")
-            try:
-                view = memoryview(data)
-                while view:  # os.write may write less than asked
-                    n = os.write(self._fd, view)
-                    view = view[n:]
-                if self.fsync:
-                    os.fsync(self._fd)
-            except OSError:
-                # Cut our partial line so the next write starts clean; best effort, the reader
-                # tolerates a torn line anyway.
-                with contextlib.suppress(OSError):
-                    os.ftruncate(self._fd, self._size)
-                raise
-            self._size += len(data)
+        if data:
+            self._file.append(data)
+
+    def flush(self) -> bool:
+        return self._file.flush()
 
     def close(self) -> None:
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+        self._file.close()
 
     def __enter__(self) -> EventLog:
         return self

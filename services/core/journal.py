@@ -9,7 +9,7 @@ Layout (named sub-databases of one environment, so one write transaction spans a
 
     tasks    task_id               -> TaskRecord as compact JSON (never pickle)
     live     task_id               -> b""  index of non-terminal tasks (crash reconciliation)
-    meta     b"cursor", b"step", b"fingerprint", b"schema",
+    meta     b"cursor", b"step", b"run_id", b"schema",
              b"version:<service>", b"ckpt:<service>", b"count:<state>"
     batches  step (8-byte big-endian, so byte order == numeric order) -> opaque TrainBatch bytes
     results  <id> NUL <stage>      -> opaque bytes, written put-if-absent
@@ -35,195 +35,45 @@ second handle would silently drop the first one's locks. `open` enforces it.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.core.journal_replay import JournalReplay
 from services.core.lmdb_store import LmdbStore
+from services.core.task_records import (
+    NEXT,
+    TERMINAL_STATES,
+    ExactlyOnceError,
+    JournalError,
+    JournalFull,
+    StalenessError,
+    TaskRecord,
+    TaskSpec,
+    TaskState,
+    check_staleness,
+    step_key,
+    task_key,
+    unique,
+)
+
+__all__ = ["ExactlyOnceError", "Journal", "JournalError", "JournalFull", "StalenessError", "TaskRecord",
+           "TaskSpec", "TaskState", "check_staleness"]
 
 SCHEMA_VERSION = 1
 DEFAULT_MAP_SIZE = 64 << 20  # 64 MiB; with writemap off this is address space, not disk
 DEFAULT_MAX_MAP_SIZE = 64 << 30  # 64 GiB
-# LMDB reports a short write (disk filled up mid-write) as EIO, not ENOSPC. Below this many free
-# bytes we read such an EIO as "disk full"; above it, it is a real I/O error and we say so.
-_MAX_KEY_BYTES = 511  # LMDB's compiled-in maximum key size
 _ITER_CHUNK = 1024
 
 T = TypeVar("T")
 
 
-class JournalError(RuntimeError):
-    """An operation the journal refuses: an illegal transition, an unknown task, a broken invariant."""
-
-
-class JournalFull(JournalError):
-    """The journal cannot grow: its map reached `max_map_size` or its filesystem is full.
-
-    Nothing of the failed transaction was written; the last committed state is intact and the
-    journal accepts writes again once space returns."""
-
-
-class ExactlyOnceError(JournalError):
-    """A task would count in a second training step (invariant 2)."""
-
-
-class StalenessError(JournalError):
-    """A task would be trained on a policy too far ahead of the one that generated it (invariant 3)."""
-
-
-class TaskState(StrEnum):
-    ADMITTED = "admitted"
-    GENERATED = "generated"
-    SCORED = "scored"
-    TRAINED = "trained"
-    DEAD = "dead"
-
-
-TERMINAL_STATES: frozenset[TaskState] = frozenset({TaskState.TRAINED, TaskState.DEAD})
-# Forward edges only. Re-entering the current state is a no-op handled separately (redelivery),
-# except `trained`, which `mark_trained` refuses to repeat (exactly-once).
-_NEXT: dict[TaskState, frozenset[TaskState]] = {
-    TaskState.ADMITTED: frozenset({TaskState.GENERATED, TaskState.DEAD}),
-    TaskState.GENERATED: frozenset({TaskState.SCORED, TaskState.DEAD}),
-    TaskState.SCORED: frozenset({TaskState.TRAINED, TaskState.DEAD}),
-    TaskState.TRAINED: frozenset(),
-    TaskState.DEAD: frozenset(),
-}
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """What the controller knows about a task when it admits it."""
-
-    task_id: str
-    dataset_index: int
-    sample_index: int
-    group_id: int
-
-
-@dataclass
-class TaskRecord:
-    task_id: str
-    state: TaskState
-    dataset_index: int
-    sample_index: int
-    group_id: int
-    admitted_step: int
-    batch_id: str | None = None
-    generated_version: int | None = None
-    trained_step: int | None = None
-    trained_version: int | None = None
-    stages_done: frozenset[str] = frozenset()
-    reason: str | None = None
-    # Wall-clock time each state was entered, keyed by state name (latency per stage, audit).
-    timestamps: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.state in TERMINAL_STATES
-
-    def to_bytes(self) -> bytes:
-        d: dict[str, Any] = {
-            "task_id": self.task_id,
-            "state": self.state.value,
-            "dataset_index": self.dataset_index,
-            "sample_index": self.sample_index,
-            "group_id": self.group_id,
-            "admitted_step": self.admitted_step,
-        }
-        # Unset fields are omitted: records stay small and the schema can grow without migrations.
-        for name in ("batch_id", "generated_version", "trained_step", "trained_version", "reason"):
-            v = getattr(self, name)
-            if v is not None:
-                d[name] = v
-        if self.stages_done:
-            d["stages_done"] = sorted(self.stages_done)
-        d["timestamps"] = self.timestamps
-        return json.dumps(d, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> TaskRecord:
-        d = json.loads(raw)
-        return cls(
-            task_id=d["task_id"],
-            state=TaskState(d["state"]),
-            dataset_index=d["dataset_index"],
-            sample_index=d["sample_index"],
-            group_id=d["group_id"],
-            admitted_step=d["admitted_step"],
-            batch_id=d.get("batch_id"),
-            generated_version=d.get("generated_version"),
-            trained_step=d.get("trained_step"),
-            trained_version=d.get("trained_version"),
-            stages_done=frozenset(d.get("stages_done", ())),
-            reason=d.get("reason"),
-            timestamps=dict(d.get("timestamps", {})),
-        )
-
-
-def check_staleness(task_id: str, generated_version: int, trained_version: int, max_staleness: int) -> None:
-    """Invariant 3: `trained_version - generated_version <= max_staleness`.
-
-    `trained_version` is the policy version the training step updates (the version before the
-    update), so `max_staleness: 0` means strictly on-policy. A task generated by a version newer
-    than the one being trained is a bookkeeping bug and is refused too."""
-    lag = trained_version - generated_version
-    if lag < 0:
-        raise StalenessError(
-            f"task {task_id!r}: generated at version {generated_version}, newer than the training"
-            f" version {trained_version}"
-        )
-    if lag > max_staleness:
-        raise StalenessError(
-            f"task {task_id!r}: generated at version {generated_version}, trained at version"
-            f" {trained_version}: staleness {lag} exceeds max_staleness {max_staleness}"
-        )
-
-
-# -- encoding helpers --------------------------------------------------------------------------
-
-
-def _task_key(task_id: str) -> bytes:
-    if not isinstance(task_id, str) or not task_id:
-        raise JournalError(f"task id must be a non-empty string, got {task_id!r}")
-    key = task_id.encode()
-    if len(key) > _MAX_KEY_BYTES:
-        raise JournalError(
-            f"task id {task_id[:40]!r}... is {len(key)} bytes; LMDB keys are at most {_MAX_KEY_BYTES}"
-        )
-    return key
-
-
-def _step_key(step: int) -> bytes:
-    if step < 0:
-        raise JournalError(f"step must be >= 0, got {step}")
-    return step.to_bytes(8, "big")
-
-
-def _result_key(key: str, stage: str) -> bytes:
-    if "\x00" in key or "\x00" in stage or not key or not stage:
-        raise JournalError(f"result key and stage must be non-empty and NUL-free, got {key!r}, {stage!r}")
-    raw = key.encode() + b"\x00" + stage.encode()
-    if len(raw) > _MAX_KEY_BYTES:
-        raise JournalError(
-            f"result key {key[:40]!r}.../{stage} exceeds LMDB's {_MAX_KEY_BYTES}-byte key limit"
-        )
-    return raw
-
-
-def _unique(ids: Iterable[str]) -> list[str]:
-    return list(dict.fromkeys(ids))
-
-
 _DB_NAMES = (b"tasks", b"live", b"meta", b"batches", b"results")
 
 
-class Journal(LmdbStore):
+class Journal(JournalReplay, LmdbStore):
     """The task journal. Create with `Journal.open(path)`; every method is synchronous."""
 
     kind = "journal"
@@ -289,13 +139,13 @@ class Journal(LmdbStore):
     # -- record helpers (inside a transaction) -----------------------------------------------
 
     def _load(self, txn: Any, task_id: str) -> TaskRecord:
-        raw = txn.get(_task_key(task_id), db=self._dbs[b"tasks"])
+        raw = txn.get(task_key(task_id), db=self._dbs[b"tasks"])
         if raw is None:
             raise JournalError(f"unknown task {task_id!r}")
         return TaskRecord.from_bytes(raw)
 
     def _store(self, txn: Any, rec: TaskRecord) -> None:
-        txn.put(_task_key(rec.task_id), rec.to_bytes(), db=self._dbs[b"tasks"])
+        txn.put(task_key(rec.task_id), rec.to_bytes(), db=self._dbs[b"tasks"])
 
     def _get_int(self, txn: Any, key: bytes, default: int = 0) -> int:
         raw = txn.get(key, db=self._dbs[b"meta"])
@@ -312,7 +162,7 @@ class Journal(LmdbStore):
         """Move `rec` to `target` and store it; False when it already was there (redelivery)."""
         if rec.state is target:
             return False
-        if target not in _NEXT[rec.state]:
+        if target not in NEXT[rec.state]:
             raise JournalError(
                 f"task {rec.task_id!r}: illegal transition {rec.state.value} -> {target.value}"
             )
@@ -322,7 +172,7 @@ class Journal(LmdbStore):
         rec.timestamps[target.value] = time.time()
         self._store(txn, rec)
         if target in TERMINAL_STATES:
-            txn.delete(_task_key(rec.task_id), db=self._dbs[b"live"])
+            txn.delete(task_key(rec.task_id), db=self._dbs[b"live"])
         return True
 
     # -- task transitions --------------------------------------------------------------------
@@ -334,7 +184,7 @@ class Journal(LmdbStore):
         re-admitting one that moved on, or with a different spec, raises. The cursor never goes
         backwards."""
         for t in tasks:
-            _task_key(t.task_id)
+            task_key(t.task_id)
 
         def fn(txn: Any) -> int:
             current = self._get_int(txn, b"cursor")
@@ -344,7 +194,7 @@ class Journal(LmdbStore):
             now = time.time()
             new = 0
             for spec in tasks:
-                key = _task_key(spec.task_id)
+                key = task_key(spec.task_id)
                 raw = txn.get(key, db=self._dbs[b"tasks"])
                 if raw is not None:
                     old = TaskRecord.from_bytes(raw)
@@ -384,7 +234,7 @@ class Journal(LmdbStore):
         generation is the one whose results are kept put-if-absent)."""
         if version < 0:
             raise JournalError(f"policy version must be >= 0, got {version}")
-        ids = _unique(task_ids)
+        ids = unique(task_ids)
 
         def fn(txn: Any) -> list[str]:
             moved = []
@@ -409,7 +259,7 @@ class Journal(LmdbStore):
             raise JournalError(
                 f"unknown scoring stage {stage!r}; this run's stages are {sorted(self._stages)}"
             )
-        ids = _unique(task_ids)
+        ids = unique(task_ids)
 
         def fn(txn: Any) -> list[str]:
             scored = []
@@ -428,15 +278,6 @@ class Journal(LmdbStore):
                 else:
                     self._store(txn, rec)
             return scored
-
-        return self._write(fn)
-
-    def mark_scored(self, task_ids: Iterable[str]) -> list[str]:
-        """`generated -> scored` regardless of stages; returns the tasks that moved."""
-        ids = _unique(task_ids)
-
-        def fn(txn: Any) -> list[str]:
-            return [tid for tid in ids if self._move(txn, self._load(txn, tid), TaskState.SCORED)]
 
         return self._write(fn)
 
@@ -484,7 +325,7 @@ class Journal(LmdbStore):
                 rec.trained_version = version
                 self._move(txn, rec, TaskState.TRAINED)
             if batch is not None:
-                txn.put(_step_key(step), batch, db=self._dbs[b"batches"])
+                txn.put(step_key(step), batch, db=self._dbs[b"batches"])
             self._put_int(txn, b"step", step)
 
         self._write(fn)
@@ -494,7 +335,7 @@ class Journal(LmdbStore):
         task keeps its first reason; a trained task cannot die (it already counted)."""
         if not reason:
             raise JournalError("a dead task needs a reason")
-        ids = _unique(task_ids)
+        ids = unique(task_ids)
 
         def fn(txn: Any) -> list[str]:
             moved = []
@@ -511,7 +352,7 @@ class Journal(LmdbStore):
     # -- task queries ------------------------------------------------------------------------
 
     def get(self, task_id: str) -> TaskRecord | None:
-        key = _task_key(task_id)
+        key = task_key(task_id)
 
         def fn(txn: Any) -> TaskRecord | None:
             raw = txn.get(key, db=self._dbs[b"tasks"])
@@ -582,15 +423,6 @@ class Journal(LmdbStore):
         """The last committed training step (0 before the first)."""
         return self._read(lambda txn: self._get_int(txn, b"step"))
 
-    def set_step(self, step: int) -> None:
-        def fn(txn: Any) -> None:
-            current = self._get_int(txn, b"step")
-            if step < current:
-                raise JournalError(f"step would go backwards: {current} -> {step}")
-            self._put_int(txn, b"step", step)
-
-        self._write(fn)
-
     @property
     def versions(self) -> dict[str, int]:
         """Acknowledged policy version per trainable service."""
@@ -617,121 +449,23 @@ class Journal(LmdbStore):
         self._write(fn)
 
     @property
-    def fingerprint(self) -> str | None:
-        raw = self._read(lambda txn: txn.get(b"fingerprint", db=self._dbs[b"meta"]))
+    def run_id(self) -> str | None:
+        """The identity of the run this journal belongs to (`run_binding`), None before it is bound."""
+        raw = self._read(lambda txn: txn.get(b"run_id", db=self._dbs[b"meta"]))
         return None if raw is None else bytes(raw).decode()
 
-    def bind_fingerprint(self, fingerprint: str) -> None:
-        """Store the run fingerprint on first call; afterwards refuse a different one, so a
-        journal is never resumed under an incompatible config."""
+    def bind_run_id(self, run_id: str) -> None:
+        """Store the run identity on first call; afterwards refuse a different one, so a journal is
+        never resumed by another run's checkpoints."""
 
         def fn(txn: Any) -> None:
-            raw = txn.get(b"fingerprint", db=self._dbs[b"meta"])
+            raw = txn.get(b"run_id", db=self._dbs[b"meta"])
             if raw is None:
-                txn.put(b"fingerprint", fingerprint.encode(), db=self._dbs[b"meta"])
-            elif bytes(raw).decode() != fingerprint:
-                raise JournalError(
-                    f"journal {self._path} belongs to run fingerprint {bytes(raw).decode()!r},"
-                    f" not {fingerprint!r}"
-                )
+                txn.put(b"run_id", run_id.encode(), db=self._dbs[b"meta"])
+            elif bytes(raw).decode() != run_id:
+                raise JournalError(f"journal {self._path} belongs to run {bytes(raw).decode()!r}, not {run_id!r}")
 
         self._write(fn)
-
-    @staticmethod
-    def _prefixed(txn: Any, db: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        cur = txn.cursor(db=db)
-        if not cur.set_range(prefix):
-            return
-        for k, v in cur:
-            if not bytes(k).startswith(prefix):
-                return
-            yield bytes(k), bytes(v)
-
-    # -- training batches (replay after an actor/critic restart) -----------------------------
-
-    def put_batch(self, step: int, data: bytes) -> None:
-        """Store (or replace) the TrainBatch bytes of `step`. `mark_trained(batch=...)` does this
-        in the same transaction as the step commit; use this only for out-of-band writes."""
-        key = _step_key(step)
-        self._write(lambda txn: txn.put(key, data, db=self._dbs[b"batches"]))
-
-    def get_batch(self, step: int) -> bytes | None:
-        key = _step_key(step)
-        raw = self._read(lambda txn: txn.get(key, db=self._dbs[b"batches"]))
-        return None if raw is None else bytes(raw)
-
-    def batches_after(self, service_checkpoint_step: int) -> list[tuple[int, bytes]]:
-        """Batches of steps > `service_checkpoint_step`, oldest first: what a service restarted
-        from that checkpoint must be replayed to catch up."""
-        start = _step_key(max(service_checkpoint_step + 1, 0))
-
-        def fn(txn: Any) -> list[tuple[int, bytes]]:
-            cur = txn.cursor(db=self._dbs[b"batches"])
-            if not cur.set_range(start):
-                return []
-            return [(int.from_bytes(k, "big"), bytes(v)) for k, v in cur]
-
-        return self._read(fn)
-
-    @property
-    def checkpoint_steps(self) -> dict[str, int]:
-        """Last acknowledged checkpoint step per trainable service (0: none yet)."""
-
-        def fn(txn: Any) -> dict[str, int]:
-            return {s: self._get_int(txn, b"ckpt:" + s.encode()) for s in self._trainable}
-
-        return self._read(fn)
-
-    def prune_batches(self, service: str, up_to_step: int) -> int:
-        """`service` acknowledged a checkpoint covering steps <= `up_to_step`. Record it and
-        delete the batches no trainable service can need any more (those at or below every
-        service's checkpoint step). Returns how many batches were deleted."""
-        if service not in self._trainable:
-            raise JournalError(
-                f"{service!r} is not a trainable service of this run ({list(self._trainable)})"
-            )
-        ckpt_key = b"ckpt:" + service.encode()
-
-        def fn(txn: Any) -> int:
-            # Monotonic: a late acknowledgement of an older checkpoint never un-covers steps.
-            self._put_int(txn, ckpt_key, max(self._get_int(txn, ckpt_key), up_to_step))
-            keep_after = min(self._get_int(txn, b"ckpt:" + s.encode()) for s in self._trainable)
-            db = self._dbs[b"batches"]
-            doomed = []
-            for k in txn.cursor(db=db).iternext(keys=True, values=False):
-                if int.from_bytes(k, "big") > keep_after:
-                    break
-                doomed.append(bytes(k))
-            for k in doomed:
-                txn.delete(k, db=db)
-            return len(doomed)
-
-        return self._write(fn)
-
-    # -- stage results (put-if-absent, so a redelivery never counts twice) -------------------
-
-    def put_result_if_absent(self, key: str, stage: str, data: bytes) -> bool:
-        """Store `data` for (`key`, `stage`) unless a result is already there; True when written."""
-        rk = _result_key(key, stage)
-        return bool(self._write(lambda txn: txn.put(rk, data, overwrite=False, db=self._dbs[b"results"])))
-
-    def get_result(self, key: str, stage: str) -> bytes | None:
-        rk = _result_key(key, stage)
-        raw = self._read(lambda txn: txn.get(rk, db=self._dbs[b"results"]))
-        return None if raw is None else bytes(raw)
-
-    def delete_results(self, keys: Iterable[str]) -> int:
-        """Drop every stage's result for `keys` (after they are trained), keeping disk bounded."""
-        prefixes = [_result_key(k, "x")[:-1] for k in _unique(keys)]
-
-        def fn(txn: Any) -> int:
-            db = self._dbs[b"results"]
-            doomed = [k for p in prefixes for k, _ in self._prefixed(txn, db, p)]
-            for k in doomed:
-                txn.delete(k, db=db)
-            return len(doomed)
-
-        return self._write(fn)
 
     # -- health: readers, disk ---------------------------------------------------------------
 

@@ -30,6 +30,13 @@ DISK_FULL_SLACK_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
 
+
+
+class StoreFull(Exception):  # noqa: N818 (a state, like the builtin's ... Full errors)
+    """Base of every store's "full" error: nothing of the failed write landed, and the same call
+    succeeds once space returns. Callers hold work and retry instead of failing."""
+
+
 _OPEN_PATHS: set[str] = set()
 _OPEN_PATHS_LOCK = threading.Lock()
 

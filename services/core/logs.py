@@ -17,6 +17,7 @@ Use ``log.info("trained step", extra={"step": 3, "samples": 128})``; extra keys 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
@@ -158,6 +159,33 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
+class _DiskTolerantHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A full disk under the log file costs log records, never the service, and prints no
+    traceback per record onto the same full disk. Records whose write failed are counted; the next
+    record that gets written is preceded by a note with that count (the stream's buffer may still
+    have written some of them: the count is an upper bound of what was lost)."""
+
+    dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.dropped:
+            lost, self.dropped = self.dropped, 0
+            note = logging.LogRecord(record.name, logging.WARNING, __file__, 0,
+                                     "log records may be lost: the disk was full", None, None)
+            note.failed_writes = lost
+            super().emit(note)
+            if self.dropped:  # still full: it was the note that got dropped, not a record
+                self.dropped = lost
+        super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        err = sys.exc_info()[1]
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            self.dropped += 1
+            return
+        super().handleError(record)
+
+
 def setup_logging(service: str, level: str | int = "INFO", stream: IO[str] | None = None) -> logging.Logger:
     """Route all logging (ours and libraries') to one JSON-lines handler; return the service logger.
 
@@ -167,7 +195,7 @@ def setup_logging(service: str, level: str | int = "INFO", stream: IO[str] | Non
     for h in list(root.handlers):
         if getattr(h, "_rlfleet", False):
             root.removeHandler(h)
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = _DiskTolerantHandler(stream or sys.stderr)
     handler._rlfleet = True  # type: ignore[attr-defined]
     handler.addFilter(RedactingFilter())
     handler.setFormatter(JsonFormatter(service))

@@ -19,46 +19,48 @@ Lifecycle (also written to ``RUN_DIR/services/<instance>.json`` for ``rlfleet st
          +------ drain --------+--> draining --> stopped (exit 0)
     any state -- main raised / on_drain failed --> failed (exit 1)
 
-The client side lives here too: ``make_channel`` (message size limits both ways) and ``rpc`` (a
-deadline on every call, retries only for idempotent calls, the token as metadata).
+The client side (``make_channel``, ``rpc``) lives in ``services.core.rpc`` and is re-exported here;
+uvicorn embedding, the watchdog and the state file in ``services.core.serving``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
-import random
 import signal
-import socket
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn
 
 import grpc
 import uvicorn
-from fastapi import Depends, FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from services.core.auth import (
-    AUTH_METADATA_KEY,
-    BodySizeLimitMiddleware,
-    TokenAuthInterceptor,
-    admin_guard,
-    bearer,
-)
+from services.core.auth import BodySizeLimitMiddleware, TokenAuthInterceptor, admin_guard
 from services.core.config import Endpoint, RunConfig, ServiceName
 from services.core.gpu import GpuMonitor
+from services.core.http_routes import install_routes
 from services.core.logs import redact_text
-from services.core.metrics import CONTENT_TYPE_LATEST, ServiceMetrics
+from services.core.metrics import ServiceMetrics
+from services.core.rpc import RETRYABLE_CODES, make_channel, rpc
+from services.core.serving import (
+    EmbeddedUvicorn,
+    Watchdog,
+    bind_tcp,
+    grpc_target,
+    is_loopback_host,
+    write_state_file,
+)
+
+__all__ = ["RETRYABLE_CODES", "ServiceRuntime", "State", "make_channel", "rpc"]
 
 log = logging.getLogger("rlfleet.runtime")
 
@@ -72,65 +74,6 @@ RegisterFn = Callable[[grpc.aio.Server], None]
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _ENDED: tuple[State, ...] = ("draining", "stopped", "failed")
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the runtime owns SIGTERM/SIGINT so that a signal
-    drains the whole service (gRPC, main loop, HTTP) in order instead of just stopping HTTP."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
-class _Watchdog:
-    """Hard-exits the process if a shutdown step hangs (a stuck thread, a wedged driver call).
-
-    A service that is neither serving nor gone is the worst state for a supervisor: it is never
-    restarted. So every shutdown path arms one of these first.
-    """
-
-    def __init__(self, after_s: float, code: int, why: str) -> None:
-        self._timer = threading.Timer(after_s, self._fire, args=(code, why))
-        self._timer.daemon = True
-        self._timer.start()
-
-    @staticmethod
-    def _fire(code: int, why: str) -> None:
-        log.error("shutdown hung, exiting hard", extra={"why": why, "exit_code": code})
-        for h in logging.getLogger().handlers:
-            with contextlib.suppress(Exception):
-                h.flush()
-        os._exit(code)
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-
-def _bind_tcp(host: str, port: int) -> socket.socket:
-    """Bind (not listen) a TCP socket; port 0 picks a free one. uvicorn listens on it.
-
-    Binding ourselves, rather than letting uvicorn do it, gives the real port before serving and a
-    clear error (instead of uvicorn's sys.exit) when the port is taken.
-    """
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        # Rebinding a port in TIME_WAIT after a restart; Linux still refuses a port that is in use.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _grpc_target(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-def _is_loopback_host(host: str) -> bool:
-    return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
 
 
 class ServiceRuntime:
@@ -189,7 +132,7 @@ class ServiceRuntime:
         self._grpc_services: list[tuple[str, RegisterFn]] = []
         self._grpc_server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
-        self._uvicorn: _EmbeddedUvicorn | None = None
+        self._uvicorn: EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._drain_event = asyncio.Event()
         self.drain_reason: str | None = None
@@ -201,7 +144,7 @@ class ServiceRuntime:
         self.require_admin = admin_guard(self._token)
         self.app = FastAPI(title=f"rlfleet {service}", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_http_body_bytes)
-        self._install_routes()
+        install_routes(self)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, service: ServiceName, **kwargs: Any) -> ServiceRuntime:
@@ -232,51 +175,14 @@ class ServiceRuntime:
 
     # -- HTTP ----------------------------------------------------------------------------------------
 
-    def _install_routes(self) -> None:
-        app = self.app
-
-        @app.get("/healthz")
-        async def healthz() -> dict[str, Any]:
-            # Alive means the loop answers; a draining service is still alive.
-            return {"alive": True, "state": self.state}
-
-        @app.get("/readyz")
-        async def readyz() -> JSONResponse:
-            reasons = await self.refresh_readiness()
-            if reasons:
-                return JSONResponse({"ready": False, "state": self.state, "reasons": reasons}, 503)
-            return JSONResponse({"ready": True, "state": self.state})
-
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            if self.gpu is not None and self.gpu.available:
-                await asyncio.to_thread(self.gpu.update)
-            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-        @app.get("/v1/status")
-        async def status() -> dict[str, Any]:
-            return await self.describe()
-
-        @app.post("/v1/drain", status_code=202, dependencies=[Depends(self.require_admin)])
-        async def drain() -> dict[str, Any]:
-            # Answer first, drain after: the drain ends with this HTTP server stopping.
-            self.request_drain("POST /v1/drain")
-            return {"accepted": True, "state": "draining"}
+    def _identity(self) -> dict[str, Any]:
+        return {"service": self.service, "instance": self.instance, "state": self.state, "pid": os.getpid(),
+                "host": self.host, "grpc_port": self.grpc_port, "http_port": self.http_port,
+                "started_at": self.started_at}
 
     async def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "service": self.service,
-            "instance": self.instance,
-            "state": self.state,
-            "ready": self.state == "ready",
-            "reasons": list(self.reasons),
-            "pid": os.getpid(),
-            "host": self.host,
-            "grpc_port": self.grpc_port,
-            "http_port": self.http_port,
-            "started_at": self.started_at,
-            "uptime_s": round(time.time() - self.started_at, 3),
-        }
+        out: dict[str, Any] = {**self._identity(), "ready": self.state == "ready", "reasons": list(self.reasons),
+                               "uptime_s": round(time.time() - self.started_at, 3)}
         if self.status is not None:
             try:
                 out["detail"] = dict(await asyncio.wait_for(self.status(), self.readiness_timeout_s))
@@ -296,25 +202,7 @@ class ServiceRuntime:
     def _write_state_file(self) -> None:
         if self.state_file is None:
             return
-        record = {
-            "service": self.service,
-            "instance": self.instance,
-            "pid": os.getpid(),
-            "host": self.host,
-            "grpc_port": self.grpc_port,
-            "http_port": self.http_port,
-            "state": self.state,
-            "started_at": self.started_at,
-            "updated_at": time.time(),
-        }
-        try:
-            self.state_file.parent.mkdir(parents=True, exist_ok=True)
-            # Write-then-rename: `rlfleet status` never reads a half-written file.
-            tmp = self.state_file.with_name(f".{self.state_file.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.state_file)
-        except OSError as e:  # the state file is a convenience; a full disk must not kill the service
-            log.warning("could not write state file", extra={"path": str(self.state_file), "error": str(e)})
+        write_state_file(self.state_file, {**self._identity(), "updated_at": time.time()})
 
     async def _set_health(self, serving: bool) -> None:
         if self._health is None:
@@ -384,7 +272,7 @@ class ServiceRuntime:
         """Bind and start gRPC and HTTP; returns once both accept connections."""
         if self._grpc_server is not None:
             raise RuntimeError("runtime already started")
-        if not _is_loopback_host(self.host) and self._token is None:
+        if not is_loopback_host(self.host) and self._token is None:
             log.warning(
                 "listening beyond loopback without a token: gRPC is open, admin routes answer loopback only",
                 extra={"host": self.host},
@@ -405,7 +293,7 @@ class ServiceRuntime:
         for _, register in self._grpc_services:
             register(server)
         await self._set_health(False)  # NOT_SERVING until readiness says otherwise
-        target = _grpc_target(self.host, self.endpoint.grpc_port)
+        target = grpc_target(self.host, self.endpoint.grpc_port)
         try:
             port = server.add_insecure_port(target)
         except RuntimeError:
@@ -419,7 +307,7 @@ class ServiceRuntime:
         self.grpc_port = int(port)
         await server.start()
 
-        sock = _bind_tcp(self.host, self.endpoint.http_port)
+        sock = bind_tcp(self.host, self.endpoint.http_port)
         self.http_port = int(sock.getsockname()[1])
         config = uvicorn.Config(
             self.app,
@@ -428,7 +316,7 @@ class ServiceRuntime:
             lifespan="off",
             timeout_graceful_shutdown=max(1, math.ceil(self.grace_s)),
         )
-        self._uvicorn = _EmbeddedUvicorn(config)
+        self._uvicorn = EmbeddedUvicorn(config)
         self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]), name="http")
         deadline = time.monotonic() + 10.0
         while not self._uvicorn.started:
@@ -488,7 +376,7 @@ class ServiceRuntime:
             # A second signal means "now": an operator pressing Ctrl-C twice, or a supervisor that
             # lost patience. The state file keeps saying "draining", which is what happened.
             log.warning("second signal during drain, exiting now", extra={"signal": sig.name})
-            _Watchdog._fire(1, f"second {sig.name}")
+            Watchdog._fire(1, f"second {sig.name}")
         self.request_drain(f"signal {sig.name}")
 
     async def serve(self, main: MainFn | None = None) -> int:
@@ -532,7 +420,7 @@ class ServiceRuntime:
             self._remove_signal_handlers()
 
     async def _drain(self, main_task: asyncio.Task[None] | None) -> int:
-        watchdog = _Watchdog(self.drain_timeout_s + 2 * self.grace_s + 10.0, 1, "drain") if self.hard_exit else None
+        watchdog = Watchdog(self.drain_timeout_s + 2 * self.grace_s + 10.0, 1, "drain") if self.hard_exit else None
         t0 = time.monotonic()
         async with self._ready_lock:
             self._set_state("draining")
@@ -584,7 +472,7 @@ class ServiceRuntime:
         return 0
 
     async def _fail(self, why: str) -> int:
-        watchdog = _Watchdog(self.fail_exit_s, 1, why) if self.hard_exit else None
+        watchdog = Watchdog(self.fail_exit_s, 1, why) if self.hard_exit else None
         self._set_state("failed")
         self.reasons = [why]
         if self._health is not None:
@@ -605,81 +493,7 @@ class ServiceRuntime:
                 # asyncio.run still joins the default executor and the interpreter joins non-daemon
                 # threads; a wedged to_thread call (a hung driver call) would block either forever.
                 # Whatever happens, the exit code reaches the supervisor within a few seconds.
-                _Watchdog(self.fail_exit_s + self.grace_s, code, "interpreter exit")
+                Watchdog(self.fail_exit_s + self.grace_s, code, "interpreter exit")
             return code
 
         sys.exit(asyncio.run(serve_then_guard_exit()))
-
-
-# --- client side ----------------------------------------------------------------------------------
-
-R = TypeVar("R")
-RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-
-
-def make_channel(
-    host: str, port: int, max_message_bytes: int, *, options: Sequence[tuple[str, Any]] = ()
-) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel with the fleet's message size limits in both directions."""
-    return grpc.aio.insecure_channel(
-        _grpc_target(host, port),
-        options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            *options,
-        ],
-    )
-
-
-def _method_name(stub_method: Any) -> str:
-    raw = getattr(stub_method, "_method", None)
-    if isinstance(raw, bytes):
-        return raw.decode(errors="replace")
-    return str(raw) if raw is not None else type(stub_method).__name__
-
-
-async def rpc(
-    stub_method: Callable[..., Awaitable[R]],
-    request: Any,
-    *,
-    timeout_s: float,
-    idempotent: bool,
-    retries: int = 3,
-    token: str | None = None,
-    metadata: Sequence[tuple[str, str]] = (),
-    backoff_s: float = 0.2,
-    max_backoff_s: float = 5.0,
-) -> R:
-    """Call a unary gRPC method with a deadline; retry only what is safe to repeat.
-
-    Each attempt has its own `timeout_s` deadline. Idempotent calls (GetState, a Train keyed by step
-    that the server deduplicates) are retried up to `retries` more times on UNAVAILABLE and
-    DEADLINE_EXCEEDED, with jittered exponential backoff. A non-idempotent call is never retried: a
-    DEADLINE_EXCEEDED does not say whether the server applied it. Other codes raise at once.
-    """
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    md = list(metadata)
-    if token:
-        md.append((AUTH_METADATA_KEY, bearer(token)))
-    attempts = 1 + (max(0, retries) if idempotent else 0)
-    for attempt in range(attempts):
-        try:
-            return await stub_method(request, timeout=timeout_s, metadata=tuple(md) or None)
-        except grpc.aio.AioRpcError as e:
-            if attempt + 1 >= attempts or e.code() not in RETRYABLE_CODES:
-                raise
-            # Jitter keeps replicas that lost the same peer from retrying in lockstep.
-            delay = min(max_backoff_s, backoff_s * 2**attempt) * random.uniform(0.5, 1.0)
-            log.warning(
-                "rpc failed, retrying",
-                extra={
-                    "method": _method_name(stub_method),
-                    "code": e.code().name,
-                    "attempt": attempt + 1,
-                    "of": attempts,
-                    "delay_s": round(delay, 3),
-                },
-            )
-            await asyncio.sleep(delay)
-    raise AssertionError("unreachable")  # the loop returns or raises

@@ -27,7 +27,14 @@ from services.core.config import RunConfig
 from services.core.limits import Limits
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.wire import TrainRequest, WireError, message, train_batch_from_proto
-from services.models.checkpoint import CheckpointError, load_latest, prune, save_checkpoint, verify_checkpoint
+from services.models.checkpoint import (
+    CheckpointDiskFull,
+    CheckpointError,
+    load_latest,
+    prune,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from services.models.checkpoint_layout import META_FILE, MODEL_FILE
 from services.models.checkpoint_optim import read_optimizer_state  # reads and checks, touches nothing
 from services.models.engine import WeightSyncError
@@ -76,7 +83,13 @@ class Trainable:
         """Checkpoint the current version (no-op when it is already on disk)."""
         if self.version == 0 or self.version <= self.checkpoint_version:
             return
-        save_checkpoint(self.root, self.service, self.version, self.step, self.model, self.optimizer)
+        try:
+            save_checkpoint(self.root, self.service, self.version, self.step, self.model, self.optimizer)
+        except CheckpointDiskFull as err:
+            # Training goes on; the checkpoint is due again after the next step, and until one lands
+            # the controller keeps the batches a replacement would need.
+            log.warning("checkpoint skipped: disk full", extra={"service": self.service, "error": str(err)[:300]})
+            return
         self.checkpoint_version = self.version
         prune(self.root, self.service, keep=self.cfg.checkpoint.keep)
         log.info("checkpoint written", extra={"service": self.service, "version": self.version})

@@ -12,7 +12,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, sto
 
 from services.core.bus import Bus, BusUnavailable, Message
 from services.core.codec import WireError
-from services.core.journal import JournalFull
+from services.core.lmdb_store import StoreFull
 from services.core.metrics import ServiceMetrics
 
 log = logging.getLogger("rlfleet.worker")
@@ -31,7 +31,7 @@ Handler = Callable[[Message], Awaitable[None]]
 # Failures that say "not now" rather than "never": the handler is retried in place until the
 # dependency is back (counting them as failed deliveries would dead-letter good work during an
 # outage). If the worker is stopped meanwhile, the message stays pending for a replacement.
-TRANSIENT = (BusUnavailable, JournalFull)
+TRANSIENT = (BusUnavailable, StoreFull)  # StoreFull: the journal's or the outbox's disk is full
 
 
 def rejection_reason(err: BaseException) -> str | None:

@@ -30,6 +30,7 @@ optimizer while a save runs (hold the trainer's lock).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -49,6 +50,7 @@ from services.models.checkpoint_layout import (
     OPTIM_JSON_FILE,
     OPTIM_TENSORS_FILE,
     CheckpointCorrupt,
+    CheckpointDiskFull,
     CheckpointError,
     CheckpointMeta,
     CheckpointMismatch,
@@ -70,7 +72,8 @@ from services.models.durable import fsync_dir, fsync_file, json_bytes, mkdir_dur
 
 # The errors and the metadata are part of this module's API; their home is the layout module.
 __all__ = [
-    "CheckpointCorrupt", "CheckpointError", "CheckpointMeta", "CheckpointMismatch", "latest_meta", "load_checkpoint",
+    "CheckpointCorrupt", "CheckpointDiskFull", "CheckpointError",
+    "CheckpointMeta", "CheckpointMismatch", "latest_meta", "load_checkpoint",
     "load_latest", "prune", "save_checkpoint", "verify_checkpoint", "version_dir_name",
 ]
 
@@ -81,6 +84,39 @@ log = logging.getLogger(__name__)
 
 
 def save_checkpoint(
+    root: Path,
+    service: str,
+    version: int,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> Path:
+    """`_save_checkpoint`, with a full disk raised as `CheckpointDiskFull` (never half a checkpoint)."""
+    try:
+        return _save_checkpoint(root, service, version, step, model, optimizer)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        if not _is_disk_full(err):
+            raise
+        try:
+            free = f"{shutil.disk_usage(root).free} bytes free"
+        except OSError:
+            free = "free space unknown"
+        raise CheckpointDiskFull(
+            f"{service} checkpoint version {version} was not written to {root}: the disk is full ({free});"
+            " the previous checkpoint stays latest"
+        ) from err
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # safetensors reports I/O failures as its own error type, with the OS message inside.
+    return os.strerror(errno.ENOSPC) in str(err) or os.strerror(errno.EDQUOT) in str(err)
+
+
+def _save_checkpoint(
     root: Path,
     service: str,
     version: int,

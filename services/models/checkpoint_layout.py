@@ -49,6 +49,11 @@ class CheckpointCorrupt(CheckpointError):
     `load_latest` answers this by falling back to an older checkpoint."""
 
 
+class CheckpointDiskFull(CheckpointError):
+    """The disk filled up during a save: nothing was acknowledged, the previous checkpoint stays
+    `latest` and intact, and the half-written files are gone. Saving again once space returns works."""
+
+
 class CheckpointMismatch(CheckpointError):
     """An intact checkpoint that does not fit the modules it is loaded into (other architecture,
     other optimizer, no optimizer state). Not a disk problem, so `load_latest` does not fall back:

@@ -6,6 +6,8 @@ time. Every wait below is a bounded poll, never a bare sleep-and-hope."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from services.core.bus import Bus, BusUnavailable, Message, MessageTooLarge, StreamKeys
+from services.core.bus import Bus, BusError, BusUnavailable, Message, MessageTooLarge, StreamKeys
 from services.core.redis_proc import RedisProcess, free_port, start_redis
 
 T = TypeVar("T")
@@ -182,22 +184,6 @@ def test_malformed_entry_goes_to_dead_stream_instead_of_consumer(redis_server: R
     arun(main())
 
 
-def test_put_result_if_absent_second_write_returns_false_and_keeps_first(redis_server: RedisProcess) -> None:
-    async def main() -> None:
-        bus = await connect(redis_server, result_ttl_s=60)
-        try:
-            assert await bus.get_result("reward", "b1") is None
-            assert await bus.put_result_if_absent("reward", "b1", b"first") is True
-            assert await bus.put_result_if_absent("reward", "b1", b"second") is False
-            assert await bus.get_result("reward", "b1") == b"first"
-            assert await bus.put_result_if_absent("critic", "b1", b"other stage") is True
-            assert 0 < redis_server.client().pttl(KEYS.result("reward", "b1")) <= 60_000
-        finally:
-            await bus.close()
-
-    arun(main())
-
-
 def test_trim_never_drops_unacknowledged_entries_but_drops_fully_acked(redis_server: RedisProcess) -> None:
     async def main() -> None:
         bus = await connect(redis_server)
@@ -338,6 +324,93 @@ def test_fill_ratio_reflects_the_slowest_group(redis_server: RedisProcess) -> No
             assert ratio == pytest.approx(0.6)
             assert await bus.fill_ratio(KEYS.rollouts, ["reward"], capacity=10) == 0.0
         finally:
+            await bus.close()
+
+    arun(main())
+
+
+def test_connect_waits_for_a_redis_that_starts_late(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A service (re)started while Redis is down waits for it instead of exiting."""
+    port = free_port()
+    started: list[RedisProcess] = []
+    timer = threading.Timer(2.0, lambda: started.append(start_redis(tmp_path / "late", port=port,
+                                                                    password="s3cret")))
+    timer.start()
+
+    async def main() -> None:
+        t0 = time.monotonic()
+        bus = await Bus.connect(f"redis://127.0.0.1:{port}/0", RUN, password="s3cret", wait_s=30.0)
+        try:
+            assert time.monotonic() - t0 >= 1.5  # it really waited for the late start
+            await bus.ensure_groups(KEYS.rollouts, ["reward"])
+            await bus.publish(KEYS.rollouts, b"after the wait")
+        finally:
+            await bus.close()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="services.core.bus"):
+            arun(main(), timeout_s=40.0)
+    finally:
+        timer.join()
+        for rp in started:
+            rp.stop(kill=True)
+    waits = [r for r in caplog.records if r.getMessage() == f"waiting for Redis at 127.0.0.1:{port}"]
+    assert waits, "no 'waiting for Redis at host:port' line was logged"
+    assert all("s3cret" not in str(vars(r)) for r in caplog.records)
+
+
+def test_connect_gives_up_when_its_wait_runs_out() -> None:
+    port = free_port()
+
+    async def main() -> None:
+        t0 = time.monotonic()
+        with pytest.raises(BusUnavailable, match=f"127.0.0.1:{port}"):
+            await Bus.connect(f"redis://127.0.0.1:{port}/0", RUN, wait_s=1.0)
+        assert 0.9 <= time.monotonic() - t0 < 8.0
+
+    arun(main())
+
+
+def test_refused_credentials_fail_at_once_even_while_waiting(tmp_path: Path) -> None:
+    rp = start_redis(tmp_path / "auth", password="right")
+
+    async def main() -> None:
+        t0 = time.monotonic()
+        with pytest.raises(BusError, match="credentials") as info:
+            await Bus.connect(f"redis://127.0.0.1:{rp.port}/0", RUN, password="wrong", wait_s=30.0)
+        assert not isinstance(info.value, BusUnavailable) and "wrong" not in str(info.value)
+        assert time.monotonic() - t0 < 5.0
+
+    try:
+        arun(main())
+    finally:
+        rp.stop(kill=True)
+
+
+@pytest.mark.parametrize(("setting", "value", "normal"), [
+    ("maxmemory", "1", "0"),                    # OOM command not allowed
+    ("min-replicas-to-write", "1", "0"),         # NOREPLICAS
+], ids=["oom", "noreplicas"])
+def test_a_refusal_that_passes_by_itself_is_an_outage_and_the_bus_resumes(
+    setting: str, value: str, normal: str, redis_server: RedisProcess
+) -> None:
+    """Redis refusing writes for a passing reason (memory, a full disk's MISCONF, replicas) must
+    read as BusUnavailable, which every caller holds work for, not as a crash-worthy error."""
+
+    async def main() -> None:
+        bus = await connect(redis_server)
+        admin = redis_server.client()
+        try:
+            await bus.ensure_groups(KEYS.rollouts, ["reward"])
+            admin.config_set(setting, value)
+            with pytest.raises(BusUnavailable, match=f"127.0.0.1:{redis_server.port}"):
+                await bus.publish(KEYS.rollouts, b"refused")
+            admin.config_set(setting, normal)
+            await bus.publish(KEYS.rollouts, b"accepted")
+            [msg] = await read_until(bus, KEYS.rollouts, "reward", "reward-0", want=1)
+            assert msg.data == b"accepted"
+        finally:
+            admin.config_set(setting, normal)
             await bus.close()
 
     arun(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import services.core.journal as journal_mod
+from services.core.config import RunConfig, parse_config
 from services.core.journal import (
     ExactlyOnceError,
     Journal,
@@ -28,6 +30,7 @@ from services.core.journal import (
     TaskState,
     check_staleness,
 )
+from services.core.run_binding import RUN_ID_FILE, RunBindingError, open_run_journal
 
 REPO = Path(__file__).resolve().parents[2]
 KiB = 1024
@@ -59,7 +62,7 @@ def scored(jr: Journal, tasks: list[TaskSpec], version: int = 0, cursor: int | N
     """Admit, generate under `version` and score `tasks`; returns their ids."""
     jr.admit(tasks, cursor=cursor if cursor is not None else max(t.dataset_index for t in tasks) + 1)
     jr.mark_generated(ids(tasks), version=version, batch_id="b0")
-    jr.mark_scored(ids(tasks))
+    jr.mark_stage_done(ids(tasks), "reward")
     return ids(tasks)
 
 
@@ -110,8 +113,8 @@ def test_reentering_the_same_state_is_an_idempotent_no_op(j: Journal) -> None:
     assert j.mark_generated(ids(tasks), version=2, batch_id="b") == []
     rec = j.get(tasks[0].task_id)
     assert rec is not None and (rec.generated_version, rec.batch_id) == (1, "a")  # the first one wins
-    assert j.mark_scored(ids(tasks)) == ids(tasks)
-    assert j.mark_scored(ids(tasks)) == []
+    assert j.mark_stage_done(ids(tasks), "reward") == ids(tasks)
+    assert j.mark_stage_done(ids(tasks), "reward") == []
     assert j.mark_dead(ids(tasks), "reward timed out") == ids(tasks)
     assert j.mark_dead(ids(tasks), "another reason") == []
     rec = j.get(tasks[0].task_id)
@@ -122,14 +125,12 @@ def test_reentering_the_same_state_is_an_idempotent_no_op(j: Journal) -> None:
 @pytest.mark.parametrize(
     ("reach", "action", "src", "dst"),
     [
-        ("admitted", "scored", "admitted", "scored"),
         ("admitted", "trained", "admitted", "trained"),
         ("generated", "trained", "generated", "trained"),
         ("scored", "generated", "scored", "generated"),
         ("trained", "generated", "trained", "generated"),
         ("trained", "dead", "trained", "dead"),
         ("dead", "generated", "dead", "generated"),
-        ("dead", "scored", "dead", "scored"),
         ("dead", "trained", "dead", "trained"),
         ("generated", "admitted", "generated", "admitted"),
     ],
@@ -143,7 +144,7 @@ def test_illegal_transition_raises_naming_task_and_both_states(
     if reach in ("generated", "scored", "trained"):
         j.mark_generated([tid], version=0, batch_id="b")
     if reach in ("scored", "trained"):
-        j.mark_scored([tid])
+        j.mark_stage_done([tid], "reward")
     if reach == "trained":
         j.mark_trained([tid], step=1, version=0, max_staleness=0)
     if reach == "dead":
@@ -153,13 +154,24 @@ def test_illegal_transition_raises_naming_task_and_both_states(
     act = {
         "admitted": lambda: j.admit(tasks, cursor=1),
         "generated": lambda: j.mark_generated([tid], version=0, batch_id="b"),
-        "scored": lambda: j.mark_scored([tid]),
         "trained": lambda: j.mark_trained([tid], step=2, version=0, max_staleness=0),
         "dead": lambda: j.mark_dead([tid], "late"),
     }[action]
     with pytest.raises(JournalError, match=rf"task '{tid}': illegal transition {src} -> {dst}"):
         act()
     assert j.get(tid) == before
+
+
+def test_a_stage_result_before_generation_raises_and_after_death_is_ignored(j: Journal) -> None:
+    early, dead = specs(0, 1, group=1), specs(1, 1, group=1)
+    j.admit(early + dead, cursor=2)
+    with pytest.raises(JournalError, match=rf"task '{early[0].task_id}': stage 'reward' finished before"):
+        j.mark_stage_done(ids(early), "reward")
+    j.mark_generated(ids(dead), version=0, batch_id="b")
+    j.mark_dead(ids(dead), "poison")
+    assert j.mark_stage_done(ids(dead), "reward") == []  # a late redelivery
+    assert [r.state for r in (j.get(early[0].task_id), j.get(dead[0].task_id))] == [  # type: ignore[union-attr]
+        TaskState.ADMITTED, TaskState.DEAD]
 
 
 def test_a_refused_call_changes_nothing_for_any_task(j: Journal) -> None:
@@ -257,23 +269,99 @@ def test_cursor_step_and_versions_never_go_backwards(j: Journal) -> None:
     with pytest.raises(JournalError, match="dataset cursor would go backwards: 2 -> 1"):
         j.admit(specs(5, 1), cursor=1)
     assert j.get("p5-s0") is None  # refused with the cursor: the tasks were not written either
-    j.set_step(4)
-    with pytest.raises(JournalError, match="step would go backwards: 4 -> 3"):
-        j.set_step(3)
+    j.mark_trained(scored(j, specs(2, 1), cursor=3), step=4, version=0, max_staleness=0)
+    with pytest.raises(JournalError, match="training step 3 is behind the journal's step 4"):
+        j.mark_trained(scored(j, specs(3, 1), cursor=4), step=3, version=0, max_staleness=0)
     j.set_version("actor", 5)
     j.set_version("actor", 5)
     j.set_version("critic", 2)
     with pytest.raises(JournalError, match="actor version would go backwards: 5 -> 4"):
         j.set_version("actor", 4)
-    assert (j.cursor, j.step, j.versions) == (2, 4, {"actor": 5, "critic": 2})
+    assert (j.cursor, j.step, j.versions) == (4, 4, {"actor": 5, "critic": 2})
 
 
-def test_fingerprint_binds_a_journal_to_one_run(j: Journal) -> None:
-    assert j.fingerprint is None
-    j.bind_fingerprint("abc")
-    j.bind_fingerprint("abc")
-    with pytest.raises(JournalError, match="belongs to run fingerprint 'abc', not 'xyz'"):
-        j.bind_fingerprint("xyz")
+def test_run_id_binds_a_journal_to_one_run(j: Journal) -> None:
+    assert j.run_id is None
+    j.bind_run_id("abc")
+    j.bind_run_id("abc")
+    with pytest.raises(JournalError, match="belongs to run 'abc', not 'xyz'"):
+        j.bind_run_id("xyz")
+    assert j.run_id == "abc"
+
+
+# -- run binding: journal and checkpoints belong together --------------------------------------
+
+
+def run_cfg(tmp_path: Path, **journal: int) -> RunConfig:
+    return parse_config({"run": {"dir": str(tmp_path / "run")}, "journal": journal})
+
+
+def open_bound(cfg: RunConfig) -> Journal:
+    return open_run_journal(cfg, stages=("reward",), trainable=("actor",))
+
+
+def test_a_fresh_run_binds_its_journal_and_checkpoints_to_one_identity(tmp_path: Path) -> None:
+    cfg = run_cfg(tmp_path)
+    with open_bound(cfg) as jr:
+        run_id = jr.run_id
+    assert run_id and (cfg.checkpoint_dir / RUN_ID_FILE).read_text().strip() == run_id
+    with open_bound(cfg) as jr:  # a restart keeps it
+        assert jr.run_id == run_id
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_missing_or_empty_journal_of_an_existing_run_is_refused_naming_the_file(
+    damage: str, tmp_path: Path
+) -> None:
+    cfg = run_cfg(tmp_path)
+    with open_bound(cfg) as jr:
+        jr.admit(specs(0, 2), cursor=2)
+    data = cfg.journal_dir / "data.mdb"
+    if damage == "deleted":
+        shutil.rmtree(cfg.journal_dir)
+    else:
+        data.write_bytes(b"")
+    with pytest.raises(RunBindingError, match=rf"journal {data} is (missing|empty).*belong to run") as info:
+        open_bound(cfg)
+    assert "\n" not in str(info.value)
+    assert damage == "truncated" or not cfg.journal_dir.exists()  # nothing was recreated at step 0
+
+
+def test_a_journal_of_another_run_is_refused(tmp_path: Path) -> None:
+    cfg, other = run_cfg(tmp_path / "a"), run_cfg(tmp_path / "b")
+    for c in (cfg, other):
+        open_bound(c).close()
+    shutil.rmtree(cfg.journal_dir)
+    shutil.copytree(other.journal_dir, cfg.journal_dir)
+    with pytest.raises(RunBindingError, match=r"belongs to run .* but the checkpoints in .* belong to run"):
+        open_bound(cfg)
+
+
+def test_checkpoints_gone_while_the_journal_records_them_is_refused(tmp_path: Path) -> None:
+    cfg = run_cfg(tmp_path)
+    with open_bound(cfg) as jr:
+        jr.prune_batches("actor", 4)  # the actor acknowledged a checkpoint at step 4
+    shutil.rmtree(cfg.checkpoint_dir)
+    with pytest.raises(RunBindingError, match=r"records checkpoints \(actor at step 4\), but .*RUN_ID is missing"):
+        open_bound(cfg)
+
+
+def test_a_run_from_before_run_identities_is_adopted(tmp_path: Path) -> None:
+    cfg = run_cfg(tmp_path)
+    with Journal.open(cfg.journal_dir) as jr:  # written by code that knew no run identity
+        jr.admit(specs(0, 1), cursor=1)
+    with open_bound(cfg) as jr:
+        assert jr.cursor == 1 and jr.run_id == (cfg.checkpoint_dir / RUN_ID_FILE).read_text().strip()
+
+
+def test_a_filesystem_smaller_than_min_free_bytes_is_named_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = run_cfg(tmp_path, min_free_bytes=1 << 60)
+    with caplog.at_level(logging.ERROR), open_bound(cfg):
+        pass
+    [line] = [r.getMessage() for r in caplog.records if "min_free_bytes" in r.getMessage()]
+    assert f"below journal.min_free_bytes={1 << 60}" in line and "bytes free" in line
 
 
 # -- crash safety ------------------------------------------------------------------------------
@@ -426,7 +514,7 @@ def test_full_filesystem_raises_journal_full_then_recovers_when_space_returns(sm
         assert jr.has_space(64 * KiB)
         jr.put_batch(1000, b"after")
         jr.admit(specs(4, 1), cursor=5)
-        jr.mark_scored(ids(specs(0, 4)))
+        jr.mark_stage_done(ids(specs(0, 4)), "reward")
     finally:
         jr.close()
     with Journal.open(path) as jr:
@@ -471,8 +559,7 @@ def test_results_are_put_if_absent_so_redelivery_never_counts_twice(j: Journal) 
     assert j.put_result_if_absent("t1", "critic", b"values") is True
     assert j.put_result_if_absent("t10", "reward", b"other") is True
     assert j.get_result("t1", "reward") == b"first"
-    assert j.delete_results(["t1"]) == 2  # both stages of t1, not t10
-    assert (j.get_result("t1", "critic"), j.get_result("t10", "reward")) == (None, b"other")
+    assert (j.get_result("t1", "critic"), j.get_result("t10", "reward")) == (b"values", b"other")
 
 
 # -- queries -----------------------------------------------------------------------------------
@@ -485,7 +572,7 @@ def test_non_terminal_lists_exactly_the_non_terminal_tasks(tmp_path: Path) -> No
         t = ids(tasks)
         jr.admit(tasks, cursor=5)
         jr.mark_generated(t[1:], version=0, batch_id="b")
-        jr.mark_scored(t[2:])
+        jr.mark_stage_done(t[2:], "reward")
         jr.mark_trained(t[3:4], step=1, version=0, max_staleness=0)
         jr.mark_dead(t[4:], "reward crashed")
         assert [r.task_id for r in jr.non_terminal()] == t[:3]
@@ -562,7 +649,7 @@ def test_counts_and_non_terminal_always_agree_with_records(
                 if op == "generate":
                     jr.mark_generated([tid], version=step, batch_id="b")
                 elif op == "score":
-                    jr.mark_scored([tid])
+                    jr.mark_stage_done([tid], "reward")
                 elif op == "train":
                     jr.mark_trained([tid], step=step + 1, version=step, max_staleness=10)
                     step += 1
