@@ -142,8 +142,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         console.print(f"[bold]rlfleet up[/]: preparing {cfg.run.name} in {fleet.run_dir}")
     from services.core.entry import quiet_torch
 
-    quiet_torch()
     try:
+        fleet.reserve_ports()  # checked before torch loads: a taken port is a one-second failure
+        quiet_torch()
         fleet.prepare()
         fleet.start(ready_timeout_s=args.ready_timeout)
         assert fleet.cfg is not None

@@ -95,6 +95,7 @@ class Fleet:
         self.plan: Plan | None = None
         self.config_path = self.run_dir / "fleet.yaml"
         self.state: RunState | None = None
+        self.ports: dict[str, int] | None = None
         self.owner = f"rlfleet up pid {os.getpid()}, run {self.run_dir}"
 
     # -- start-up --------------------------------------------------------------------------------
@@ -106,14 +107,21 @@ class Fleet:
             self.state = check_fleet(self.base_cfg)
         return self.state
 
+    def reserve_ports(self) -> dict[str, int]:
+        """Choose (and claim host-wide) every port the fleet binds, and check each is free, before
+        anything binds one: "<service> grpc_port" / "<service> http_port" / "redis-server port"."""
+        if self.ports is None:
+            private_redis = self.base_cfg.redis.url is None
+            self.ports = assign_ports(port_requests(self.base_cfg, private_redis), owner=self.owner)
+        return self.ports
+
     def prepare(self) -> RunConfig:
         from services.local import prepare as prepare_models
 
         self.preflight()
-        (self.run_dir / "logs").mkdir(exist_ok=True)
+        ports = self.reserve_ports()
         private_redis = self.base_cfg.redis.url is None
-        # Every port is chosen and checked before anything binds one.
-        ports = assign_ports(port_requests(self.base_cfg, private_redis), owner=self.owner)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
         redis_url = None
         if private_redis:
             self.redis = start_redis(self.run_dir / "redis", port=ports["redis-server port"],
@@ -270,6 +278,7 @@ class Fleet:
         if self.redis is not None:
             self.redis.stop()
         PortClaims().release(self.owner)
+        self.ports = None
 
 
 def last_error(path: Path) -> str:
