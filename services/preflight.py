@@ -59,8 +59,9 @@ def run_state(cfg: RunConfig) -> RunState:
         try:
             j = Journal.open(journal, readonly=True, stages=cfg.stages(),
                              trainable=["actor", "critic"] if cfg.algo.needs_critic else ["actor"])
-        except (JournalError, OSError) as err:
-            raise PreflightError(f"journal {journal} cannot be read: {err}") from None
+        except (JournalError, OSError):
+            # A damaged journal is the controller's to diagnose (it names the file and the fix).
+            return RunState("fleet", 0)
         try:
             return RunState("fleet", j.step)
         finally:
@@ -162,22 +163,22 @@ def check_redis(cfg: RunConfig) -> None:
 
 def check_local(cfg: RunConfig) -> RunState:
     """Everything `rlfleet train --local` needs before it builds a model."""
+    check_run_dir(cfg.run_dir)
     state = run_state(cfg)
     if state.kind == "fleet":
         raise PreflightError(f"{cfg.run_dir} holds a fleet run (`rlfleet up`); train --local would replace its"
                              " metrics.jsonl: pick another --run-dir")
-    check_run_dir(cfg.run_dir)
     check_models(cfg, check_task(cfg))
     return state
 
 
 def check_fleet(cfg: RunConfig) -> RunState:
     """Everything `rlfleet up` needs before it starts Redis or any service (ports come next)."""
+    check_run_dir(cfg.run_dir)
     state = run_state(cfg)
     if state.kind == "local":
         raise PreflightError(f"{cfg.run_dir} holds a single-process run (`train --local`, {state.step} steps);"
                              " a fleet would mix its metrics into it: pick another --run-dir")
-    check_run_dir(cfg.run_dir)
     check_models(cfg, check_task(cfg))
     check_redis(cfg)
     return state
