@@ -294,8 +294,10 @@ def last_error(path: Path) -> str:
         except ValueError:
             continue
         if isinstance(rec, dict) and str(rec.get("level", "")).lower() in ("error", "critical"):
+            msg = str(rec.get("msg", ""))
             exc = str(rec.get("exc") or "").strip().splitlines()
-            return str(rec.get("msg", "")) + (f": {exc[-1]}" if exc else "")
+            last = exc[-1].split(": ", 1)[-1] if exc else ""
+            return msg if last in msg else f"{msg}: {exc[-1]}"
     # Died before its logging was set up (an import error, a signal): the last line it printed.
     plain = [ln.strip() for ln in lines if ln.strip()]
     return plain[-1][:500] if plain else "no error logged"

@@ -46,4 +46,9 @@ def service_main(name: str, serve: Callable[[RunConfig], None]) -> None:
         ep = cfg.endpoint(name).model_copy(update={"grpc_port": 0, "http_port": 0})  # type: ignore[arg-type]
         cfg = cfg.model_copy(update={"services": {**cfg.services, name: ep}})
         os.environ["RLFLEET_INSTANCE"] = f"{name}-{args.replica}"
-    serve(cfg)
+    try:
+        serve(cfg)
+    except Exception as err:
+        # One structured record with the traceback: the launcher reports its last line, the log keeps all.
+        logging.getLogger("rlfleet").error("%s failed: %s: %s", name, type(err).__name__, err, exc_info=True)
+        sys.exit(1)
