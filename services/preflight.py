@@ -87,7 +87,7 @@ def check_task(cfg: RunConfig) -> Any:
     try:
         return load_task(cfg.task)
     except TaskError as err:
-        raise PreflightError(f"{err}: fix task in the config") from None
+        raise PreflightError(f"{err} (fix the task section of the config)") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

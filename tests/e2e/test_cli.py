@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -151,6 +152,27 @@ def test_up_on_a_finished_run_starts_nothing_and_says_how_to_extend(tmp_path: Pa
     assert p.returncode == 0, p.stderr
     assert "run already finished (2 steps)" in p.stdout and "--max-steps" in p.stdout
     assert not (run_dir / "redis").exists() and not (run_dir / "services").exists()
+
+
+def test_up_on_a_run_with_steps_left_says_it_resumes_from_the_journals_step(tmp_path: Path, tiny_model: Path) -> None:
+    run_dir = tmp_path / "run"
+    journal = Journal.open(run_dir / "journal")
+    journal.set_step(1)
+    journal.close()
+    cfg = write_config(tmp_path / "c.yaml", run_dir, models={"policy": {"path": str(tiny_model)}})
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([*RLFLEET, "up", "--config", str(cfg)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, stdin=subprocess.DEVNULL)
+    try:
+        first = proc.stdout.readline()  # type: ignore[union-attr]
+        assert "resuming cli from step 1 of 2" in first, first
+    finally:
+        proc.send_signal(signal.SIGINT)  # the launcher stops whatever it started
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def test_train_local_refuses_a_fleet_runs_directory_and_keeps_its_metrics(tmp_path: Path, tiny_model: Path) -> None:
