@@ -1,24 +1,55 @@
-"""The `rlfleet` command."""
+"""The `rlfleet` command.
+
+Every failure a user can cause or fix ends as one line on stderr naming the problem and the fix,
+and a non-zero exit; the traceback goes to RUN_DIR/logs/rlfleet.log (service tracebacks stay in
+each service's own log). Nothing slow (torch, a service) starts before the pre-flight checks pass.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.resources
 import json
 import logging
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from services.core.config import ConfigError, RunConfig, load_config
+from services.progress import ProgressLine
+
+log = logging.getLogger("rlfleet.cli")
+
+# The run directory of the command being run, once known: where the traceback of a failure goes.
+_run_dir: Path | None = None
+
+
+def default_config() -> str:
+    """The packaged tiny CPU config: `--config` works from any directory without it."""
+    return str(importlib.resources.files("services") / "examples" / "tiny-cpu.yaml")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("rlfleet")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _load(args: argparse.Namespace) -> RunConfig:
-    return load_config(
+    global _run_dir
+    cfg = load_config(
         args.config,
         run__max_steps=getattr(args, "max_steps", None),
         run__dir=getattr(args, "run_dir", None),
     )
+    _run_dir = cfg.run_dir
+    return cfg
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -26,29 +57,47 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print("rlfleet train runs the single-process loop and needs --local; use `rlfleet up` for the fleet",
               file=sys.stderr)
         return 2
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from services.local import run_local
+    from services.preflight import check_local
 
     cfg = _load(args)
+    state = check_local(cfg)
+    if state.kind == "local" and state.step:
+        print(f"{cfg.run_dir} holds an earlier local run ({state.step} steps): train --local starts over")
+    from services.core.entry import quiet_torch
+    from services.local import run_local
+
+    quiet_torch()
+    if not sys.stdout.isatty():
+        line = ProgressLine("train --local", cfg.run.max_steps, every_s=args.progress_every)
+
+        def on_step(row: dict[str, float]) -> None:
+            line.update(int(row["step"]), _row_info(row))
+
+        path = run_local(cfg, on_step=on_step)
+        print(f"metrics: {path}")
+        return 0
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     with Progress(
         TextColumn("[bold]train --local[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[info]}"), transient=False,
     ) as bar:
         task = bar.add_task("steps", total=cfg.run.max_steps, info="building models")
-
-        def on_step(row: dict[str, float]) -> None:
-            info = f"reward {row['reward_mean']:.3f}"
-            if "kl" in row:
-                info += f"  kl {row['kl']:.4f}"
-            info += f"  loss {row.get('policy_loss', 0.0):+.4f}  {row['tokens_per_s']:.0f} tok/s"
-            if "eval_reward" in row:
-                info += f"  eval {row['eval_reward']:.3f}"
-            bar.update(task, completed=int(row["step"]), info=info)
-
-        path = run_local(cfg, on_step=on_step)
+        path = run_local(cfg, on_step=lambda row: bar.update(task, completed=int(row["step"]), info=_row_info(row)))
     print(f"metrics: {path}")
     return 0
+
+
+def _row_info(row: dict[str, Any]) -> str:
+    info = f"reward {row.get('reward_mean', float('nan')):.3f}"
+    if "kl" in row:
+        info += f"  kl {row['kl']:.4f}"
+    if "policy_loss" in row:
+        info += f"  loss {row['policy_loss']:+.4f}"
+    info += f"  {row.get('tokens_per_s', 0):.0f} tok/s"
+    if "eval_reward" in row:
+        info += f"  eval {row['eval_reward']:.3f}"
+    return info
 
 
 def _fleet_table(status: dict[str, Any], cfg: RunConfig) -> Any:
@@ -76,37 +125,64 @@ def _fleet_table(status: dict[str, Any], cfg: RunConfig) -> Any:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.live import Live
 
-    from services.fleet import Fleet, FleetError
-    from services.report import write_report
+    from services.fleet import Fleet
 
     cfg = _load(args)
     cfg.check_secrets()  # before anything starts: a configured secret that is missing fails closed
     console = Console()
     fleet = Fleet(cfg, restart_budget=args.restart_budget)
-    code = 1
+    state = fleet.preflight()  # nothing started yet: a failure here leaves nothing to stop
+    if state.step >= cfg.run.max_steps:
+        print(f"run already finished ({state.step} steps) in {fleet.run_dir}; use --max-steps to extend")
+        return 0
+    if state.step:
+        console.print(f"[bold]rlfleet up[/]: resuming {cfg.run.name} from step {state.step} of {cfg.run.max_steps}"
+                      f" in {fleet.run_dir}")
+    else:
+        console.print(f"[bold]rlfleet up[/]: preparing {cfg.run.name} in {fleet.run_dir}")
+    from services.core.entry import quiet_torch
+
     try:
-        console.print(f"[bold]rlfleet up[/]: preparing {cfg.run.name} in {cfg.run_dir}")
+        fleet.reserve_ports()  # checked before torch loads: a taken port is a one-second failure
+        quiet_torch()
         fleet.prepare()
         fleet.start(ready_timeout_s=args.ready_timeout)
         assert fleet.cfg is not None
         console.print(f"all services ready: {', '.join(fleet.procs)}; logs in {fleet.run_dir / 'logs'}")
-        with Live(_fleet_table({}, fleet.cfg), console=console, refresh_per_second=2,
-                  transient=not console.is_terminal) as live:
-            code = fleet.supervise(on_tick=lambda st: live.update(_fleet_table(st, fleet.cfg)))  # type: ignore[arg-type]
+        code = _supervise(fleet, console, args.progress_every)
         console.print(f"run finished: metrics {fleet.run_dir / 'metrics.jsonl'}")
-    except FleetError as err:
-        console.print(f"[red]fleet error:[/] {err}")
-        code = 1
+        return code
     except KeyboardInterrupt:
-        console.print("interrupted: stopping the fleet")
-        code = 130
+        print("interrupted: stopping the fleet", file=sys.stderr)
+        return 130
     finally:
         fleet.stop()
-        report = write_report(fleet.run_dir, title=f"rlfleet {cfg.run.name}")
-        console.print(f"report: {report}")
-    return code
+        if fleet.procs:  # a report only for a run that started; never in place of the real error
+            from services.report import write_report
+
+            try:
+                console.print(f"report: {write_report(fleet.run_dir, title=f'rlfleet {cfg.run.name}')}")
+            except OSError as err:
+                log.warning("report not written: %s", err)
+
+
+def _supervise(fleet: Any, console: Any, progress_every: float) -> int:
+    cfg = fleet.cfg
+    if not console.is_terminal:
+        # Logs, CI, `nohup`: a plain line every few seconds instead of a live table nobody sees.
+        line = ProgressLine(f"rlfleet {cfg.run.name}", cfg.run.max_steps, every_s=progress_every)
+
+        def tick(st: dict[str, Any]) -> None:
+            ctl = st.get("controller", {}).get("detail", {}) or {}
+            if "step" in ctl:  # nothing while the controller is unreachable (starting, or just finished)
+                line.update(int(ctl["step"]), _row_info(ctl["last"]) if ctl.get("last") else "")
+
+        return int(fleet.supervise(on_tick=tick))
+    from rich.live import Live
+
+    with Live(_fleet_table({}, cfg), console=console, refresh_per_second=2) as live:
+        return int(fleet.supervise(on_tick=lambda st: live.update(_fleet_table(st, cfg))))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -114,7 +190,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     from services.fleet import read_service_files
 
-    run_dir = Path(args.run_dir) if args.run_dir else load_config(args.config).run_dir
+    global _run_dir
+    run_dir = _run_dir = Path(args.run_dir) if args.run_dir else load_config(args.config).run_dir
     files = read_service_files(run_dir)
     if not files:
         print(f"no services found in {run_dir / 'services'}", file=sys.stderr)
@@ -139,15 +216,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_swap(args: argparse.Namespace) -> int:
-    from services.fleet import FleetError, swap
+    from services.fleet import swap
 
-    run_dir = Path(args.run_dir) if args.run_dir else load_config(args.config).run_dir
+    global _run_dir
+    run_dir = _run_dir = Path(args.run_dir) if args.run_dir else load_config(args.config).run_dir
     token = load_config(args.config).token() if args.config else None
-    try:
-        t = swap(run_dir, args.service, token=token, timeout_s=args.timeout)
-    except FleetError as err:
-        print(f"swap failed: {err}", file=sys.stderr)
-        return 1
+    t = swap(run_dir, args.service, token=token, timeout_s=args.timeout)
     print(f"{args.service}: pid {int(t['old_pid'])} drained in {t['drain_s']:.1f}s; "
           f"pid {int(t['new_pid'])} ready {t['replacement_ready_s']:.1f}s later")
     return 0
@@ -169,12 +243,16 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlfleet", description="RL post-training as a fleet of services")
+    p.add_argument("--version", action="version", version=f"rlfleet {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
+    config_help = "run config (YAML); default: the packaged tiny CPU config"
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--config", default="examples/tiny-cpu.yaml", help="run config (YAML)")
+        sp.add_argument("--config", default=default_config(), help=config_help)
         sp.add_argument("--max-steps", type=int, default=None, help="override run.max_steps")
         sp.add_argument("--run-dir", default=None, help="override run.dir")
+        sp.add_argument("--progress-every", type=float, default=5.0, metavar="S",
+                        help="seconds between progress lines when the output is not a terminal")
 
     t = sub.add_parser("train", help="train in one process (the reference loop)")
     common(t)
@@ -188,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(fn=_cmd_up)
 
     st = sub.add_parser("status", help="report a running fleet")
-    st.add_argument("--config", default="examples/tiny-cpu.yaml")
+    st.add_argument("--config", default=default_config(), help=config_help)
     st.add_argument("--run-dir", default=None)
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=_cmd_status)
@@ -201,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.set_defaults(fn=_cmd_swap)
 
     pl = sub.add_parser("plan", help="place device groups on this host's GPUs; write the env file docker compose reads")
-    pl.add_argument("--config", default="examples/tiny-cpu.yaml", help="run config (YAML)")
+    pl.add_argument("--config", default=default_config(), help=config_help)
     pl.add_argument("--out", default=None, help="write the env file here (docker compose --env-file FILE)")
     pl.add_argument("--inventory", default=None,
                     help="GPUs from a YAML/JSON file instead of NVML (plan for another host)")
@@ -218,12 +296,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types whose message is already the one line a user needs. Only from modules this
+    command imported: an error cannot come from a module that was never loaded (and importing
+    one here, like the model loader, would cost seconds of torch start-up)."""
+    names = {
+        "services.preflight": ("PreflightError",), "services.core.ports": ("PortError",),
+        "services.fleet": ("FleetError",), "services.tasks.base": ("TaskError",),
+        "services.models.loading": ("ModelLoadError",), "services.core.redis_proc": ("RedisNotFound",),
+        "services.core.placement": ("PlacementError",), "services.core.journal": ("JournalError",),
+    }
+    out: list[type[BaseException]] = []
+    for module, classes in names.items():
+        mod = sys.modules.get(module)
+        out += [getattr(mod, c) for c in classes if mod is not None and hasattr(mod, c)]
+    return tuple(out)
+
+
+def _keep_traceback(cmd: str, err: BaseException) -> Path | None:
+    """Append the traceback to RUN_DIR/logs/rlfleet.log (a temp file when that is not writable)."""
+    text = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} rlfleet {cmd}: " + "".join(
+        traceback.format_exception(type(err), err, err.__traceback__))
+    candidates = [_run_dir / "logs" / "rlfleet.log"] if _run_dir is not None else []
+    candidates.append(Path(tempfile.gettempdir()) / "rlfleet-cli.log")
+    for path in candidates:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                f.write(text)
+            return path
+        except OSError:
+            continue
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.cmd in ("train", "up"):
-        from services.core.entry import quiet_torch
-
-        quiet_torch()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         return int(args.fn(args))
@@ -233,6 +341,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as err:
+        where = _keep_traceback(args.cmd, err)
+        first = (str(err).strip().splitlines() or [""])[0]
+        if isinstance(err, _user_errors()):
+            print(f"rlfleet {args.cmd}: {first}", file=sys.stderr)
+            return 1
+        if isinstance(err, OSError) and err.strerror:
+            print(f"rlfleet {args.cmd}: {err.strerror}: {err.filename or first}", file=sys.stderr)
+            return 1
+        hint = f" (traceback in {where})" if where else ""
+        print(f"rlfleet {args.cmd}: unexpected {type(err).__name__}: {first}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

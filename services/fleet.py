@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,9 @@ import yaml
 
 from services.core.config import RunConfig, ServiceName, parse_config
 from services.core.placement import Inventory, PlacementError, Plan, discover_gpus
-from services.core.redis_proc import RedisProcess, free_port, start_redis
+from services.core.ports import PortClaims, PortRequest, assign_ports
+from services.core.redis_proc import RedisProcess, start_redis
+from services.preflight import RunState, check_fleet
 
 log = logging.getLogger("rlfleet.fleet")
 
@@ -49,8 +51,22 @@ class ServiceProc:
         return self.proc.poll() is None
 
 
-def resolve_fleet_config(cfg: RunConfig, redis_url: str | None) -> RunConfig:
-    """Fill in what services must agree on: free ports for port 0, the Redis URL, absolute paths."""
+def port_requests(cfg: RunConfig, private_redis: bool = False) -> list[PortRequest]:
+    """Every port the fleet binds: each needed service's gRPC and HTTP port (extra replicas pick
+    their own), and a private redis-server's."""
+    out = [PortRequest(f"{name} {key}", cfg.endpoint(name).host, getattr(cfg.endpoint(name), key),
+                       f"services.{name}.{key}")
+           for name in cfg.services_needed() for key in ("grpc_port", "http_port")]
+    if private_redis:
+        out.append(PortRequest("redis-server port", "127.0.0.1"))
+    return out
+
+
+def resolve_fleet_config(cfg: RunConfig, redis_url: str | None, ports: Mapping[str, int] | None = None) -> RunConfig:
+    """Fill in what services must agree on: ports (`ports` from `assign_ports`, else distinct free
+    ones for port 0), the Redis URL, absolute paths."""
+    if ports is None:
+        ports = assign_ports(port_requests(cfg), owner=f"pid {os.getpid()} resolving {cfg.run_dir}", check=False)
     data: dict[str, Any] = cfg.model_dump(mode="json")
     data["run"]["dir"] = str(cfg.run_dir.resolve())
     if redis_url is not None:
@@ -58,8 +74,7 @@ def resolve_fleet_config(cfg: RunConfig, redis_url: str | None) -> RunConfig:
     for name in cfg.services_needed():
         ep = data["services"].setdefault(name, cfg.endpoint(name).model_dump())
         for key in ("grpc_port", "http_port"):
-            if not ep[key]:
-                ep[key] = free_port(ep["host"])
+            ep[key] = ports[f"{name} {key}"]
     pol = data["models"]["policy"]
     if pol["path"] is None:
         pol["path"] = str((cfg.run_dir / "models" / "policy").resolve())
@@ -79,19 +94,40 @@ class Fleet:
         self.cfg: RunConfig | None = None
         self.plan: Plan | None = None
         self.config_path = self.run_dir / "fleet.yaml"
+        self.state: RunState | None = None
+        self.ports: dict[str, int] | None = None
+        self.owner = f"rlfleet up pid {os.getpid()}, run {self.run_dir}"
 
     # -- start-up --------------------------------------------------------------------------------
+    def preflight(self) -> RunState:
+        """Every check that needs nothing started (placement, run directory, task, models, Redis
+        binary), in about a second; what the run directory already holds."""
+        if self.state is None:
+            self.plan = self.place(self.base_cfg)  # an impossible placement stops here
+            self.state = check_fleet(self.base_cfg)
+        return self.state
+
+    def reserve_ports(self) -> dict[str, int]:
+        """Choose (and claim host-wide) every port the fleet binds, and check each is free, before
+        anything binds one: "<service> grpc_port" / "<service> http_port" / "redis-server port"."""
+        if self.ports is None:
+            private_redis = self.base_cfg.redis.url is None
+            self.ports = assign_ports(port_requests(self.base_cfg, private_redis), owner=self.owner)
+        return self.ports
+
     def prepare(self) -> RunConfig:
         from services.models.roles import prepare as prepare_models
 
-        self.plan = self.place(self.base_cfg)  # before anything starts: an impossible placement stops here
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.preflight()
+        ports = self.reserve_ports()
+        private_redis = self.base_cfg.redis.url is None
         (self.run_dir / "logs").mkdir(exist_ok=True)
         redis_url = None
-        if self.base_cfg.redis.url is None:
-            self.redis = start_redis(self.run_dir / "redis", password=self.base_cfg.redis_password())
+        if private_redis:
+            self.redis = start_redis(self.run_dir / "redis", port=ports["redis-server port"],
+                                     password=self.base_cfg.redis_password())
             redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"  # password travels via env only
-        cfg = resolve_fleet_config(self.base_cfg, redis_url)
+        cfg = resolve_fleet_config(self.base_cfg, redis_url, ports)
         # Build the tiny model once here, so services never race to build it.
         prepare_models(cfg)
         self.config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -169,8 +205,8 @@ class Fleet:
             for name in list(waiting):
                 sp = self.procs[name]
                 if not sp.alive:
-                    raise FleetError(f"{name} exited with code {sp.proc.returncode} while starting; "
-                                     f"see {sp.log_path}:\n{tail(sp.log_path)}")
+                    raise FleetError(f"{name} exited with code {sp.proc.returncode} while starting:"
+                                     f" {last_error(sp.log_path)} (log: {sp.log_path})")
                 try:
                     if self.http(name, "/readyz").status_code == 200:
                         waiting.discard(name)
@@ -212,7 +248,8 @@ class Fleet:
                     continue
                 if sp.restarts >= self.restart_budget:
                     raise FleetError(f"{name} died {sp.restarts + 1} times (restart budget {self.restart_budget});"
-                                     f" last exit code {sp.proc.returncode}; see {sp.log_path}:\n{tail(sp.log_path)}")
+                                     f" last exit code {sp.proc.returncode}: {last_error(sp.log_path)}"
+                                     f" (log: {sp.log_path})")
                 log.warning("service died; restarting",
                             extra={"service": name, "code": sp.proc.returncode, "restarts": sp.restarts + 1})
                 new = self._spawn(sp.name, sp.replica)
@@ -240,13 +277,30 @@ class Fleet:
                 sp.proc.wait(timeout=5)
         if self.redis is not None:
             self.redis.stop()
+        PortClaims().release(self.owner)
+        self.ports = None
 
 
-def tail(path: Path, lines: int = 15) -> str:
+def last_error(path: Path) -> str:
+    """The last error a service logged, on one line: its message and the exception's last line
+    (the whole traceback stays in the log)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        lines = path.read_text(errors="replace").splitlines()[-200:]
     except OSError:
-        return ""
+        return "no log written"
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and str(rec.get("level", "")).lower() in ("error", "critical"):
+            msg = str(rec.get("msg", ""))
+            exc = str(rec.get("exc") or "").strip().splitlines()
+            last = exc[-1].split(": ", 1)[-1] if exc else ""
+            return msg if last in msg else f"{msg}: {exc[-1]}"
+    # Died before its logging was set up (an import error, a signal): the last line it printed.
+    plain = [ln.strip() for ln in lines if ln.strip()]
+    return plain[-1][:500] if plain else "no error logged"
 
 
 def read_service_files(run_dir: Path) -> dict[str, dict[str, Any]]:
@@ -268,10 +322,16 @@ def swap(run_dir: Path, service: str, token: str | None = None, timeout_s: float
         raise FleetError(f"no running service {service!r} in {run_dir / 'services'} (found: {', '.join(files)})")
     info = files[service]
     old_pid = int(info["pid"])
+    if not _pid_alive(old_pid):
+        raise FleetError(f"{service} is not running (pid {old_pid} in {run_dir / 'services' / service}.json has"
+                         " exited): start the run with `rlfleet up` first")
     base = f"http://{info['host']}:{info['http_port']}"
     headers = {"authorization": f"Bearer {token}"} if token else {}
     t0 = time.monotonic()
-    r = httpx.post(f"{base}/v1/drain", headers=headers, timeout=5.0)
+    try:
+        r = httpx.post(f"{base}/v1/drain", headers=headers, timeout=5.0)
+    except httpx.HTTPError as err:
+        raise FleetError(f"cannot reach {service} at {base} ({type(err).__name__}): is the fleet running?") from None
     if r.status_code >= 300:
         raise FleetError(f"{service} refused to drain: HTTP {r.status_code} {r.text[:200]}")
     deadline = t0 + timeout_s

@@ -219,8 +219,9 @@ class Endpoint(_Strict):
 
 
 def _default_services() -> dict[ServiceName, Endpoint]:
-    base: dict[ServiceName, int] = {"controller": 0, "actor": 1, "critic": 2, "reward": 3, "reference": 4}
-    return {n: Endpoint(grpc_port=50050 + i, http_port=8080 + i) for n, i in base.items()}
+    # Port 0 everywhere: the launcher picks distinct free ports for the whole fleet, so two fleets on
+    # one host never collide. Deployments that need fixed ports (compose, Kubernetes) set them.
+    return {n: Endpoint() for n in SERVICE_NAMES}
 
 
 class RedisSection(_Strict):

@@ -50,5 +50,10 @@ def service_main(name: str, serve: Callable[[RunConfig], None]) -> None:
     try:
         serve(cfg)
     except ConfigError as err:  # found while building the service (e.g. a journal of another run)
+        logging.getLogger("rlfleet").error("%s failed: %s", name, err)
         print(f"{name}: {err}", file=sys.stderr)
         sys.exit(2)
+    except Exception as err:
+        # One structured record with the traceback: the launcher reports its last line, the log keeps all.
+        logging.getLogger("rlfleet").error("%s failed: %s: %s", name, type(err).__name__, err, exc_info=True)
+        sys.exit(1)
