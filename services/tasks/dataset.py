@@ -182,7 +182,9 @@ class DatasetTask(BaseTask):
         wanted += [(f"fields.{kw}", col) for kw, col in s.fields.items()]
         for key, col in wanted:
             if col not in cols:
-                raise TaskError(f"{where}: task.{key} {col!r} is not a field of the data; fields: {', '.join(cols)}")
+                hint = " (answer_field: null for prompts without a reference answer)" if key == "answer_field" else ""
+                raise TaskError(f"{where}: task.{key} {col!r} is not a field of the data; fields: {', '.join(cols)}"
+                                + hint)
         clash = sorted(set(s.fields) & ({"answer", "completions", "prompts", "prompt", "completion"}))
         if clash:
             raise TaskError(f"task.fields: {', '.join(map(repr, clash))} is reserved for the reward's own arguments")
