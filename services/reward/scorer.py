@@ -1,8 +1,12 @@
-"""Sequence rewards: the task's rule-based function (or a `module:function` override), or a reward
-model. A non-finite reward is a bad result, never a training signal: it raises `BadReward`."""
+"""Sequence rewards: the task's reward (its rule, a user function, or several weighted ones; see
+services.tasks.rewards), or a reward model. A reward that cannot be computed (it raises, returns a
+non-number or NaN/inf, or its row cannot be read) is a bad result, never a training signal: it
+raises `BadReward` with a named reason, and the worker dead-letters the batch so its tasks end
+dead with that reason while the run goes on."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -12,10 +16,18 @@ import torch
 from services.core.ids import parse_task_id
 from services.rl.batch import Rollout
 from services.tasks.base import Prompt, Task, TaskError
+from services.tasks.rewards import RewardError, RewardResult, RewardSet, make_component
+
+log = logging.getLogger("rlfleet.reward")
 
 
 class BadReward(ValueError):
     reason = "non_finite_reward"
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
 
 
 RewardFn = Callable[[Prompt, str], float]
@@ -25,32 +37,63 @@ class RewardScorer:
     def __init__(self, task: Task, tokenizer, fn: RewardFn | None = None, model_path: Path | None = None):  # type: ignore[no-untyped-def]
         self.task = task
         self.tokenizer = tokenizer
-        self.fn: RewardFn = fn or task.reward
+        # An explicit `fn` replaces the task's reward; otherwise the task scores (its reward set).
+        self.rewards: RewardSet | None = (
+            RewardSet([make_component(fn, getattr(fn, "__name__", "reward_fn"), 1.0, task.field_names)])
+            if fn is not None else None)
+        self.fn: RewardFn = self._one
+        # Per-component means of the last batch scored (empty for a reward model).
+        self.last_components: dict[str, float] = {}
         self.model = None
         if model_path is not None:
             from services.models.reward_model import load_reward_model
 
             self.model = load_reward_model(model_path)
 
+    def _one(self, prompt: Prompt, completion: str) -> float:
+        return self.score_texts([prompt], [completion]).total[0]
+
+    def score_texts(self, prompts: list[Prompt], completions: list[str]) -> RewardResult:
+        if self.rewards is not None:
+            return self.rewards.score(prompts, completions)
+        return self.task.score(prompts, completions)
+
     def completions(self, r: Rollout) -> list[str]:
         rows = [ids[m].tolist() for ids, m in zip(r.response_ids, r.response_mask, strict=True)]
         return list(self.tokenizer.batch_decode(rows, skip_special_tokens=True))
 
+    def prompts(self, r: Rollout) -> list[Prompt]:
+        out = []
+        for tid in r.task_ids:
+            index = parse_task_id(tid)[0]
+            try:
+                out.append(self.task.prompt(index))
+            except TaskError as e:  # a data row that cannot be read
+                raise BadReward(f"task {tid}: {e}", reason=getattr(e, "reason", "bad_prompt")) from None
+        return out
+
     @torch.no_grad()
-    def score(self, r: Rollout) -> torch.Tensor:
+    def score_with_components(self, r: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Rewards [B] and each component's unweighted values [B] (none for a reward model)."""
         if self.model is not None:
             out = self.model.score_ids(r.input_ids, r.attention_mask).float()
+            parts: dict[str, torch.Tensor] = {}
         else:
-            texts = self.completions(r)
-            vals = []
-            for tid, text in zip(r.task_ids, texts, strict=True):
-                prompt = self.task.prompt(parse_task_id(tid)[0])
-                try:
-                    vals.append(float(self.fn(prompt, text)))
-                except TaskError as e:  # e.g. a `module:function` reward that returned NaN
-                    raise BadReward(f"task {tid}: {e}") from None
-            out = torch.tensor(vals, dtype=torch.float32)
+            try:
+                res = self.score_texts(self.prompts(r), self.completions(r))
+            except RewardError as e:
+                raise BadReward(str(e), reason=e.reason) from None
+            except TaskError as e:  # e.g. a legacy reward that raised TaskError itself
+                raise BadReward(str(e), reason="reward_error") from None
+            out = torch.tensor(res.total, dtype=torch.float32)
+            parts = {k: torch.tensor(v, dtype=torch.float32) for k, v in res.components.items()}
+            self.last_components = res.means()
+            if len(parts) > 1:
+                log.info("reward components", extra={"rows": len(res.total), "components": self.last_components})
         bad = [(tid, float(v)) for tid, v in zip(r.task_ids, out.tolist(), strict=True) if not math.isfinite(v)]
         if bad:
             raise BadReward(f"reward is not finite for {len(bad)} task(s), first {bad[0][0]}: {bad[0][1]}")
-        return out
+        return out, parts
+
+    def score(self, r: Rollout) -> torch.Tensor:
+        return self.score_with_components(r)[0]

@@ -1,18 +1,21 @@
 """Prompt datasets and reward functions.
 
-`load_task(section)` builds the task named in the run config; `task.reward_fn: "module:function"`
-replaces the task's rule-based reward with `function(prompt: Prompt, completion: str) -> float`.
+`load_task(section)` builds the task the run config names: a built-in one (`task.name`), rows of a
+dataset (`task.source`: jsonl, json, parquet, csv or hf) or a reasoning-gym generator
+(`source: reasoning_gym`), and attaches the configured reward: `task.reward_fn`
+("module:function" or "path/to/file.py:function"), `task.reward_path`, or several weighted
+`task.rewards` (see services.tasks.rewards). Prompts become token ids through
+`services.tasks.chat.encode_prompt`, which applies the tokenizer's chat template.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 from typing import TYPE_CHECKING, Any
 
 from services.tasks.arithmetic import ArithmeticTask
-from services.tasks.base import Prompt, RewardFn, Task, TaskError
+from services.tasks.base import Prompt, PromptError, RewardFn, Task, TaskError
+from services.tasks.rewards import RewardError, RewardResult, RewardSet, build_reward_set, load_callable, make_component
 from services.tasks.sentiment import SentimentTask
 from services.tasks.synthetic import SyntheticTask
 
@@ -27,47 +30,50 @@ TASKS: dict[str, type[ArithmeticTask] | type[SentimentTask] | type[SyntheticTask
     "synthetic": SyntheticTask,
 }
 
-__all__ = ["TASKS", "Prompt", "RewardFn", "Task", "TaskError", "load_reward_fn", "load_task", "make_task"]
+__all__ = ["TASKS", "Prompt", "PromptError", "RewardError", "RewardFn", "RewardResult", "RewardSet", "Task",
+           "TaskError", "load_reward_fn", "load_task", "make_task"]
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Import `package.module:function`; every failure names the string it came from."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr or ":" in attr:
-        raise TaskError(f"reward_fn {spec!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        raise TaskError(f"reward_fn {spec!r}: module {module_name!r} not found ({err})") from None
-    except Exception as err:  # an import-time error inside the user's module
-        raise TaskError(f"reward_fn {spec!r}: importing module {module_name!r} failed: "
-                        f"{type(err).__name__}: {err}") from err
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise TaskError(f"reward_fn {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TaskError(f"reward_fn {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
-    try:
-        inspect.signature(obj).bind(Prompt(0, "", ""), "")
-    except TypeError as err:
-        raise TaskError(f"reward_fn {spec!r}: must accept (prompt: Prompt, completion: str): {err}") from None
-    except ValueError:
-        pass  # builtins without an introspectable signature: trust them
-    return obj  # type: ignore[no-any-return]
+    """Import `package.module:function` or `path/to/file.py:function` as a one-sample or batched reward;
+    every failure names the string it came from."""
+    if spec.count(":") != 1 or not all(spec.split(":")):
+        raise TaskError(f"reward_fn {spec!r} must look like 'package.module:function'"
+                        " or 'path/to/file.py:function'")
+    fn = load_callable(spec)
+    make_component(fn, spec, 1.0, ("answer",), spec=spec)  # signature check
+    return fn  # type: ignore[no-any-return]
 
 
 def make_task(name: str, params: dict[str, Any] | None = None, reward_fn: str | None = None) -> Task:
     cls = TASKS.get(name)
     if cls is None:
         raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    override = load_reward_fn(reward_fn) if reward_fn else None
-    task = cls(params or {}, reward_override=override, reward_override_name=reward_fn)
+    task = cls(params or {})
     if reward_fn:
+        fn = load_reward_fn(reward_fn)
+        task.rewards = RewardSet([make_component(fn, reward_fn, 1.0, task.field_names, spec=reward_fn)])
         log.info("task %s: reward overridden by %s", name, reward_fn)
     return task
 
 
 def load_task(section: TaskSection) -> Task:
-    return make_task(section.name, dict(section.params), section.reward_fn)
+    task: Task
+    if section.source is None:
+        task = make_task(section.task_name, dict(section.params))
+        task.system_prompt = section.system_prompt
+        task.chat = section.chat
+    elif section.source == "reasoning_gym":
+        from services.tasks.gym import ReasoningGymTask
+
+        task = ReasoningGymTask(section)
+    else:
+        from services.tasks.dataset import DatasetTask
+
+        if section.params:
+            raise TaskError(f"task.params: unused with source {section.source!r} (got {', '.join(section.params)})")
+        task = DatasetTask(section)
+    rewards = build_reward_set(section, task)
+    if rewards is not None:
+        task.rewards = rewards  # type: ignore[attr-defined]
+    return task

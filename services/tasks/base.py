@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from services.tasks.rewards import RewardResult, RewardSet
 
 TokenizerKind = Literal["char", "word"]
 RewardFn = Callable[["Prompt", str], float]
@@ -23,12 +26,36 @@ class TaskError(ValueError):
     """A task that cannot be built or a reward that cannot be computed; the message says which and why."""
 
 
+class PromptError(TaskError):
+    """A data row that cannot become a prompt (e.g. a chat template that fails on it). At run time it
+    ends that row's tasks dead with `reason` instead of stopping the run."""
+
+    reason = "bad_prompt"
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 @dataclass(frozen=True)
 class Prompt:
     index: int
     text: str
     # The reference answer for verifiable tasks; "" for open-ended tasks (e.g. sentiment).
     answer: str
+    # The conversation when the data holds chat messages rather than one string (`text` is then
+    # the last user turn); rendered through the tokenizer's chat template.
+    messages: tuple[Mapping[str, Any], ...] | None = field(default=None, hash=False)
+    # The row's other columns under their (mapped) names, handed to reward functions as keywords.
+    fields: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    # Where the row came from ("train.jsonl row 17"), for error messages.
+    origin: str = ""
+
+    def reward_fields(self) -> dict[str, Any]:
+        return {"answer": self.answer, **self.fields}
+
+    def where(self) -> str:
+        return self.origin or f"prompt {self.index}"
 
 
 @runtime_checkable
@@ -42,12 +69,21 @@ class Task(Protocol):
     max_prompt_tokens: int
     # A sensible generation budget in tokens, counting the EOS token.
     max_new_tokens: int
+    # Render prompts through the tokenizer's chat template (when it has one), with this system prompt.
+    chat: bool
+    system_prompt: str | None
+    # Held-out prompts there are (eval_prompt(i) for i < eval_count); None: as many as asked.
+    eval_count: int | None
+    # The keywords a reward function receives besides the completion and the prompt.
+    field_names: tuple[str, ...]
 
     def prompt(self, index: int) -> Prompt: ...
 
     def eval_prompt(self, index: int) -> Prompt: ...
 
     def reward(self, prompt: Prompt, completion: str) -> float: ...
+
+    def score(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> RewardResult: ...
 
     def sft_example(self, index: int) -> tuple[str, str]: ...
 
@@ -90,10 +126,16 @@ class BaseTask:
     tokenizer_kind: TokenizerKind
     max_prompt_tokens: int
     max_new_tokens: int
+    chat: bool = True
+    system_prompt: str | None = None
+    eval_count: int | None = None
+    field_names: tuple[str, ...] = ("answer",)
 
     def __init__(self, reward_override: RewardFn | None = None, reward_override_name: str | None = None):
         self._reward_override = reward_override
         self._reward_override_name = reward_override_name or getattr(reward_override, "__name__", "reward_fn")
+        # The configured reward (one function or several with weights); None: the task's own.
+        self.rewards: RewardSet | None = None
 
     # -- seeded streams ------------------------------------------------------------------------
     def _rng(self, split: str, index: int) -> random.Random:
@@ -114,19 +156,26 @@ class BaseTask:
     def _reward(self, prompt: Prompt, completion: str) -> float:
         raise NotImplementedError
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
+    def own_reward(self, prompt: Prompt, completion: str) -> float:
+        """The task's built-in reward (`fn: task` in `task.rewards`)."""
+        return self._reward(prompt, completion)
+
+    def base_reward(self, prompt: Prompt, completion: str) -> float:
+        """The constructor's override, else the task's own; unchecked (the reward set checks values)."""
         if self._reward_override is None:
             return self._reward(prompt, completion)
-        value = self._reward_override(prompt, completion)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            # Tensors and numpy scalars convert via float(); anything else is a bug in the override.
-            try:
-                value = float(value)  # type: ignore[arg-type]
-            except (TypeError, ValueError):
-                raise TaskError(
-                    f"reward_fn '{self._reward_override_name}' returned {type(value).__name__}, expected a float"
-                ) from None
-        out = float(value)
-        if not math.isfinite(out):
-            raise TaskError(f"reward_fn '{self._reward_override_name}' returned a non-finite reward {out}")
-        return out
+        return self._reward_override(prompt, completion)
+
+    def reward_set(self) -> RewardSet:
+        if self.rewards is None:
+            from services.tasks.rewards import RewardSet
+
+            self.rewards = RewardSet.of_task(self, str(self._reward_override_name) if self._reward_override else "task")
+        return self.rewards
+
+    def score(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> RewardResult:
+        """Rewards of a batch, with each weighted component; a bad value raises `RewardError`."""
+        return self.reward_set().score(prompts, completions)
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        return self.score([prompt], [completion]).total[0]
