@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from transformers import (
 )
 
 from services.core.config import ModelSpec
+from services.models.atomic import MARKER, is_complete, staging_dir
 from services.models.tiny import read_model_info
 from services.tasks.base import Task
 
@@ -66,6 +68,8 @@ def resolve_model_path(spec: ModelSpec, role: str, task: Task, run_dir: Path, se
     than a silent reuse of the wrong model.
     """
     path = Path(spec.path) if spec.path is not None else Path(run_dir) / "models" / role
+    if spec.gguf_file is not None:
+        return materialize_gguf(Path(spec.gguf_file), path, role)
     empty_dir = path.is_dir() and not any(path.iterdir())
     if path.exists() and not empty_dir:
         if not path.is_dir():
@@ -130,6 +134,8 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
             raise ModelLoadError(f"tokenizer at {path} has neither a pad nor an eos token")
         log.warning("tokenizer at %s has no pad token; padding with eos %r", path, tok.eos_token)
         tok.pad_token = tok.eos_token
+    if (path / "config.json").is_file():
+        check_tokenizer_fits(tok, path)
     return tok
 
 
@@ -152,3 +158,118 @@ def load_causal_lm(path: Path, dtype: str = "float32", device: str = "cpu") -> P
 def require_model_dir(path: Path, what: str = "model") -> Path:
     """`path` if it is a transformers model directory, else a `ModelLoadError` naming it."""
     return _require_model_dir(path, what)
+
+
+# -- fit between tokenizer and model -------------------------------------------------------------
+
+
+def tokenizer_id_bound(tokenizer: PreTrainedTokenizerBase) -> int:
+    """One past the largest id the tokenizer can produce (added tokens included)."""
+    ids = tokenizer.get_vocab().values()
+    return max(len(tokenizer), max(ids, default=-1) + 1)
+
+
+def model_vocab_size(path: Path) -> int:
+    """The embedding rows of the causal LM at `path`, from its config.json (no weights are read)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        size = config.get_text_config().vocab_size
+    except Exception as err:
+        raise ModelLoadError(f"cannot read the model config in {path}: {type(err).__name__}: {err}") from err
+    if not isinstance(size, int) or size <= 0:
+        raise ModelLoadError(f"the model config in {path} has no usable vocab_size (got {size!r})")
+    return size
+
+
+def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> None:
+    """A `ModelLoadError` naming both sizes when the tokenizer can emit ids the model has no embedding
+    for: such an id fails deep inside the first forward pass (or, on a GPU, corrupts memory)."""
+    check_vocab(tokenizer, model_vocab_size(model_dir), str(model_dir))
+
+
+def check_vocab(tokenizer: PreTrainedTokenizerBase, vocab: int, where: str) -> None:
+    bound = tokenizer_id_bound(tokenizer)
+    if bound > vocab:
+        raise ModelLoadError(
+            f"tokenizer and model in {where} do not fit: the tokenizer has {bound} token ids but the model's"
+            f" vocabulary has {vocab} (ids >= {vocab} have no embedding); use the tokenizer the model was trained"
+            " with, or resize the model's embeddings"
+        )
+
+
+# -- GGUF files ----------------------------------------------------------------------------------
+
+GGUF_KIND = "gguf"
+
+
+def _gguf_source(gguf: Path) -> dict[str, Any]:
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        state = "is not a file" if gguf.exists() else "does not exist"
+        raise ModelLoadError(f"GGUF file {gguf} {state}")
+    # Path and size identify the file well enough to refuse a copy of another one; hashing a
+    # multi-gigabyte file at every start-up would cost more than the check is worth.
+    return {"kind": GGUF_KIND, "source": str(gguf.resolve()), "bytes": gguf.stat().st_size}
+
+
+def load_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A causal LM and its tokenizer from one GGUF file, dequantized to float32 (trainable, saveable).
+
+    Slow (about a minute for 135M parameters on two cores): see `materialize_gguf`."""
+    from transformers import GgufConfig
+
+    gguf = Path(gguf)
+    _gguf_source(gguf)
+    try:
+        import gguf as _gguf_lib  # noqa: F401  (transformers needs it and says so only deep in a traceback)
+    except ImportError:
+        raise ModelLoadError(f"loading {gguf} needs the 'gguf' package: pip install gguf") from None
+    folder = str(gguf.parent)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=gguf.name, local_files_only=True,
+            quantization_config=GgufConfig(dequantize=True), dtype=torch.float32,
+        )
+    except Exception as err:
+        raise ModelLoadError(f"cannot load a causal LM from the GGUF file {gguf}: {type(err).__name__}: {err}") from err
+    not_float = sorted({str(p.dtype) for p in model.parameters() if not p.is_floating_point()})
+    if not_float:
+        raise ModelLoadError(f"{gguf} loaded with non-float parameters ({', '.join(not_float)}): not trainable")
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def materialize_gguf(gguf: Path, out_dir: Path, role: str = "policy") -> Path:
+    """Dequantize `gguf` once into the `save_pretrained` directory `out_dir` (weights, config,
+    tokenizer and chat template); returns `out_dir`. An existing copy of the same file is reused, so
+    every service of a run loads the fast copy; a directory holding anything else is an error."""
+    out_dir = Path(out_dir)
+    want = _gguf_source(gguf)
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
+        info = read_model_info(out_dir) if out_dir.is_dir() else None
+        if info is None or info.get("kind") != GGUF_KIND:
+            raise ModelLoadError(f"models.{role}: {out_dir} already holds something other than a copy of {gguf};"
+                                 f" point models.{role}.path at an empty or new directory")
+        if info.get("source") != want["source"] or info.get("bytes") != want["bytes"]:
+            raise ModelLoadError(f"models.{role}: {out_dir} holds a copy of {info.get('source')}, not of {gguf};"
+                                 f" delete it to convert again, or point models.{role}.path elsewhere")
+        log.info("GGUF copy of %s already at %s", gguf, out_dir)
+        return out_dir
+    t0 = time.monotonic()
+    log.info("dequantizing %s into %s (once per run directory)", gguf, out_dir)
+    model, tok = load_gguf(gguf)
+    check_vocab(tok, int(model.get_input_embeddings().weight.shape[0]), str(gguf))  # type: ignore[index]
+    with staging_dir(out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        info = {**want, "role": role, "build_seconds": round(time.monotonic() - t0, 3)}
+        (tmp / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True))
+    if not is_complete(out_dir):
+        raise ModelLoadError(f"models.{role}: {out_dir} was not written")
+    log.info("dequantized %s into %s in %.1fs", gguf, out_dir, time.monotonic() - t0)
+    return out_dir
+
