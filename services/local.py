@@ -17,7 +17,7 @@ from services.core.config import RunConfig
 from services.core.ids import generation_seed, task_id
 from services.models.checkpoint import prune, save_checkpoint
 from services.models.engine import GenerationEngine, SamplingParams, completions_to_rollout, make_engine
-from services.models.export import export_final
+from services.models.export import export_final, record_local_config
 from services.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from services.reference.scorer import ReferenceScorer
 from services.reward.scorer import RewardScorer
@@ -121,6 +121,7 @@ def run_local(
     metrics_path.unlink(missing_ok=True)
     # A local run starts afresh, so a previous local run's checkpoints would only collide with its versions.
     shutil.rmtree(cfg.checkpoint_dir / "actor", ignore_errors=True)
+    record_local_config(cfg, roles.policy_path)
     version = 0
     eval_before = evaluate(cfg, engine, task, tok, reward)
     log.info("eval before training", extra={"eval_reward": eval_before})

@@ -2,10 +2,11 @@
 
 The checkpoint (`RUN_DIR/checkpoints/actor/vNNNNNNNN/model.safetensors`, see checkpoint.py) holds the
 policy's state dict only; the architecture, generation config, tokenizer and chat template live in
-the base model directory the run started from (`models.policy.path` in `RUN_DIR/fleet.yaml`, or
-`RUN_DIR/models/policy`). An export loads the base architecture, loads the verified checkpoint into
-it, and writes both, so `AutoModelForCausalLM.from_pretrained(out)` scores exactly like the trainer.
-The output is written beside its target and renamed into place: never a half-written export.
+the base model directory the run started from (`models.policy.path` in `RUN_DIR/fleet.yaml` or
+`RUN_DIR/local.yaml`, the resolved configs of a fleet and a local run, or `RUN_DIR/models/policy`).
+An export loads the base architecture, loads the verified checkpoint into it, and writes both, so
+`AutoModelForCausalLM.from_pretrained(out)` scores exactly like the trainer. The output is written
+beside its target and renamed into place: never a half-written export.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from services.core.config import ConfigError, load_config
+from services.core.config import ConfigError, RunConfig, load_config
 from services.models.atomic import staging_dir
 from services.models.checkpoint import (
     LATEST,
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 SERVICE = "actor"
 EXPORT_DIR = "export"
 INFO_FILE = "rlfleet_export.json"
+FLEET_CONFIG = "fleet.yaml"
+LOCAL_CONFIG = "local.yaml"
 
 # safetensors header dtypes a checkpoint of ours can hold.
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -59,15 +63,33 @@ class Exported:
     checkpoint: Path
 
 
+def record_local_config(cfg: RunConfig, policy_path: Path) -> Path:
+    """Write RUN_DIR/local.yaml, the resolved config of a `train --local` run (what fleet.yaml is to
+    a fleet run), so an export later finds the base model and the checkpoints from the run dir alone."""
+    data = cfg.model_dump(mode="json")
+    data["run"]["dir"] = str(cfg.run_dir.resolve())
+    data["models"]["policy"]["path"] = str(Path(policy_path).resolve())
+    data["checkpoint"]["dir"] = str(cfg.checkpoint_dir.resolve())
+    out = cfg.run_dir / LOCAL_CONFIG
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, out)
+    return out
+
+
 def _fleet_policy_and_checkpoints(run_dir: Path) -> tuple[Path | None, Path]:
-    """(models.policy.path, checkpoint root) as the run's services saw them."""
-    fleet_yaml = run_dir / "fleet.yaml"
-    if not fleet_yaml.is_file():
+    """(models.policy.path, checkpoint root) as the run saw them: from RUN_DIR/fleet.yaml (a fleet
+    run) or RUN_DIR/local.yaml (a local run)."""
+    for name in FLEET_CONFIG, LOCAL_CONFIG:
+        resolved = run_dir / name
+        if resolved.is_file():
+            break
+    else:
         return None, run_dir / "checkpoints"
     try:
-        cfg = load_config(fleet_yaml)
+        cfg = load_config(resolved)
     except ConfigError as err:
-        raise ExportError(f"cannot read {fleet_yaml}: {str(err).splitlines()[0]}") from None
+        raise ExportError(f"cannot read {resolved}: {str(err).splitlines()[0]}") from None
     path = Path(cfg.models.policy.path) if cfg.models.policy.path else None
     return path, cfg.checkpoint_dir
 
@@ -78,8 +100,8 @@ def find_base(run_dir: Path) -> Path:
     if path is None:
         path = run_dir / "models" / "policy"
         if not (path / "config.json").is_file():
-            raise ExportError(f"cannot tell which model {run_dir} trained: it has no fleet.yaml and no"
-                              f" {path}; pass --base MODEL_DIR (the run's models.policy.path)")
+            raise ExportError(f"cannot tell which model {run_dir} trained: it has no {FLEET_CONFIG}, no"
+                              f" {LOCAL_CONFIG} and no {path}; pass --base MODEL_DIR (the run's models.policy.path)")
     return path
 
 

@@ -151,7 +151,7 @@ def test_gguf_spec_errors_name_the_file_and_the_directory(tmp_path: Path) -> Non
         resolve_model_path(ModelSpec(path=str(other), gguf_file=str(fake)), "policy", task, tmp_path / "run", 0)
     with pytest.raises(ConfigError, match="at most one of 'build' and 'gguf_file'"):
         parse_config({"models": {"policy": {"gguf_file": "m.gguf", "build": {}}}})
-    with pytest.raises(ConfigError, match="critic.gguf_file"):
+    with pytest.raises(ConfigError, match=r"critic\.gguf_file"):
         parse_config({"models": {"critic": {"gguf_file": "m.gguf"}}})
 
 
