@@ -18,7 +18,7 @@ from services.models.checkpoint import load_checkpoint
 from services.models.loading import load_causal_lm, load_tokenizer
 from services.models.logprobs import response_logprobs
 from services.tasks import make_task
-from tests.fleet_helpers import EXAMPLE
+from tests.fleet_helpers import EXAMPLE, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -139,3 +139,22 @@ def test_export_bad_input_is_one_line_naming_it(trained_run: Path, tmp_path: Pat
     assert f"--out {busy} already exists and is not an empty directory" in err
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
+def test_export_of_a_fleet_run_finds_its_model_through_fleet_yaml(tiny_model: Path, tmp_path: Path,
+                                                                 fleet_factory) -> None:  # type: ignore[no-untyped-def]
+    cfg = tiny_config(tmp_path / "fleet", tiny_model, run={"max_steps": 2, "eval_every": 0}, task={"eval_size": 0},
+                      batch={"prompts_per_step": 8, "prompts_per_message": 4})
+    fleet = fleet_factory(cfg)
+    fleet.start(ready_timeout_s=180)
+    assert fleet.supervise(timeout_s=300) == 0
+    fleet.stop(grace_s=60)  # the actor checkpoints its last version when drained
+    out = tmp_path / "exported"
+    assert main(["export", "--run-dir", str(cfg.run_dir), "--out", str(out)]) == 0
+    checkpoint = cfg.run_dir / "checkpoints" / "actor" / "v00000002"
+    assert checkpoint.is_dir()
+    inputs = _inputs(load_tokenizer(tiny_model))
+    m = inputs[3]
+    got = _logprobs(AutoModelForCausalLM.from_pretrained(out).eval(), inputs)
+    want = _logprobs(_trainer_model(tiny_model, checkpoint), inputs)
+    assert torch.allclose(got[m], want[m], atol=1e-6, rtol=0)
