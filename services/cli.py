@@ -241,6 +241,14 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return audit_main(Path(args.run_dir), finished=finished, json_out=args.json)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from services.core.entry import quiet_torch
+    from services.models.export import export_main
+
+    quiet_torch()
+    return export_main(args.run_dir, args.out, version=args.version, base=args.base)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlfleet", description="RL post-training as a fleet of services")
     p.add_argument("--version", action="version", version=f"rlfleet {_version()}")
@@ -293,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--finished", action="store_true", help="treat the run as finished (in-flight tasks are lost)")
     g.add_argument("--running", action="store_true", help="treat the run as still going")
     a.set_defaults(fn=_cmd_audit)
+
+    ex = sub.add_parser("export", help="write a run's trained policy as a save_pretrained directory with its tokenizer")
+    ex.add_argument("--run-dir", required=True)
+    ex.add_argument("--out", required=True, help="a new (or empty) directory")
+    ex.add_argument("--version", type=int, default=None, help="the actor checkpoint version (default: the latest)")
+    ex.add_argument("--base", default=None,
+                    help="the model directory the run started from (default: RUN_DIR/fleet.yaml's or RUN_DIR/models)")
+    ex.set_defaults(fn=_cmd_export)
     return p
 
 

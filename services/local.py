@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,9 @@ import torch
 
 from services.core.config import RunConfig
 from services.core.ids import generation_seed, task_id
+from services.models.checkpoint import prune, save_checkpoint
 from services.models.engine import GenerationEngine, SamplingParams, completions_to_rollout
+from services.models.export import export_final, record_local_config
 from services.models.factory import make_engine
 from services.models.loading import load_causal_lm
 from services.models.roles import critic_path, prepare, reward_model_path
@@ -85,7 +88,8 @@ def run_local(
                         cfg.generation.temperature, micro_batch=cfg.algo.micro_batch_size)
         if cfg.algo.needs_reference else None
     )
-    trainer = PolicyTrainer(policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed)
+    trainer = PolicyTrainer(policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
+                            gradient_checkpointing=cfg.models.policy.gradient_checkpointing)
     critic = critic_trainer = None
     if cfg.algo.needs_critic:
         from services.models.critic import ValueModel
@@ -93,10 +97,14 @@ def run_local(
         spec = cfg.models.critic or cfg.models.policy
         critic = ValueModel.from_policy(critic_path(cfg, roles.policy_path), dtype=spec.dtype,
                                         device=cfg.endpoint("critic").device)
-        critic_trainer = ValueTrainer(critic, cfg.algo, seed=cfg.run.seed)
+        critic_trainer = ValueTrainer(critic, cfg.algo, seed=cfg.run.seed,
+                                      gradient_checkpointing=spec.gradient_checkpointing)
 
     metrics_path = run_dir / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
+    # A local run starts afresh, so a previous local run's checkpoints would only collide with its versions.
+    shutil.rmtree(cfg.checkpoint_dir / "actor", ignore_errors=True)
+    record_local_config(cfg, roles.policy_path)
     version = 0
     eval_before = evaluate(cfg, engine, task, tok, reward)
     log.info("eval before training", extra={"eval_reward": eval_before})
@@ -125,6 +133,9 @@ def run_local(
             stats.update(critic_trainer.train_step(r, step=step))
         version += 1
         engine.update_weights(policy.state_dict().items(), version)
+        if step + 1 == cfg.run.max_steps or version % cfg.checkpoint.every == 0:
+            save_checkpoint(cfg.checkpoint_dir, "actor", version, step + 1, policy, trainer.opt)
+            prune(cfg.checkpoint_dir, "actor", keep=cfg.checkpoint.keep)
         t_end = time.perf_counter()
         tokens = int(r.response_mask.sum())
         row = {
@@ -143,5 +154,6 @@ def run_local(
             f.write(json.dumps(row) + "\n")
         if on_step is not None:
             on_step(row)
+    export_final(run_dir, base=roles.policy_path)
     return metrics_path
 

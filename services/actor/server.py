@@ -48,7 +48,8 @@ class Actor:
         self.limits = Limits.for_run(cfg, vocab_size=int(self.policy.config.vocab_size))
         self.engine = make_engine(cfg.generation.engine, path, dtype=cfg.models.policy.dtype,
                                   **cfg.generation.engine_kwargs())
-        self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed)
+        self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
+                                     gradient_checkpointing=cfg.models.policy.gradient_checkpointing)
         self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt, limits=self.limits)
         if self.t.restore():
             self.engine.update_weights(self.policy.state_dict().items(), self.t.version)

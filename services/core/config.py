@@ -191,12 +191,22 @@ class ModelSpec(_Strict):
     path: str | None = None
     # Build a tiny model into `path` (or the run directory) when it does not exist yet.
     build: TinyModelSpec | None = None
+    # A local GGUF file (model and tokenizer in one) dequantized once into `path` (or
+    # RUN_DIR/models/<role>) when that does not exist yet: every service then loads the fast copy.
+    gguf_file: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Recompute activations in the backward pass of the trainers: less memory, about a third more compute.
+    gradient_checkpointing: bool = False
 
     @model_validator(mode="after")
     def _path_or_build(self) -> ModelSpec:
-        if self.path is None and self.build is None:
-            raise ValueError("set 'path' (a local model directory) or 'build' (a tiny model spec)")
+        if self.path is None and self.build is None and self.gguf_file is None:
+            raise ValueError("set 'path' (a local model directory), 'build' (a tiny model spec) or"
+                             " 'gguf_file' (a local GGUF file)")
+        if self.build is not None and self.gguf_file is not None:
+            raise ValueError("set at most one of 'build' and 'gguf_file': both say where the model comes from")
+        if self.gguf_file is not None and not self.gguf_file.endswith(".gguf"):
+            raise ValueError(f"gguf_file must name a .gguf file, got {self.gguf_file!r}")
         return self
 
 
@@ -206,6 +216,17 @@ class ModelsSection(_Strict):
     critic: ModelSpec | None = None
     # None: the task's rule-based reward. A path: a sequence classifier with one label.
     reward: ModelSpec | None = None
+
+    @model_validator(mode="after")
+    def _gguf_policy_only(self) -> ModelsSection:
+        # Only the policy is materialised from GGUF at start-up; the critic starts from that copy.
+        for role in ("critic", "reward"):
+            spec = getattr(self, role)
+            if spec is not None and spec.gguf_file is not None:
+                raise ValueError(f"{role}.gguf_file: only models.policy loads from a GGUF file; leave"
+                                 f" models.{role} unset to start from the policy, or point its path at a model"
+                                 " directory")
+        return self
 
 
 class AlgoSection(_Strict):

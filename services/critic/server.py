@@ -27,7 +27,8 @@ class Critic:
         spec = cfg.models.critic or cfg.models.policy
         self.model = ValueModel.from_policy(critic_path(cfg, cfg.models.policy.path), dtype=spec.dtype,  # type: ignore[arg-type]
                                             device=cfg.endpoint("critic").device)
-        self.trainer = ValueTrainer(self.model, cfg.algo, seed=cfg.run.seed)
+        self.trainer = ValueTrainer(self.model, cfg.algo, seed=cfg.run.seed,
+                                    gradient_checkpointing=spec.gradient_checkpointing)
         self.svc = ScoringService(cfg, "critic", self.score, version=lambda: self.t.version)
         self.t = Trainable(cfg, "critic", self.model, self.trainer.opt, limits=self.svc.limits)
         self.svc.trainable = self.t

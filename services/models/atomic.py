@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,15 @@ MARKER = "rlfleet_model.json"
 
 def is_complete(path: Path) -> bool:
     return (path / MARKER).is_file()
+
+
+def read_model_info(path: Path) -> dict[str, Any] | None:
+    """The marker of a directory we built, or None for a foreign model directory."""
+    marker = Path(path) / MARKER
+    if not marker.is_file():
+        return None
+    data: dict[str, Any] = json.loads(marker.read_text())
+    return data
 
 
 def _fsync_tree(root: Path) -> None:

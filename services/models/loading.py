@@ -81,6 +81,8 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
             raise ModelLoadError(f"tokenizer at {path} has neither a pad nor an eos token")
         log.warning("tokenizer at %s has no pad token; padding with eos %r", path, tok.eos_token)
         tok.pad_token = tok.eos_token
+    if (path / "config.json").is_file():
+        check_tokenizer_fits(tok, path)
     return tok
 
 
@@ -103,3 +105,42 @@ def load_causal_lm(path: Path, dtype: str = "float32", device: str = "cpu") -> P
 def require_model_dir(path: Path, what: str = "model") -> Path:
     """`path` if it is a transformers model directory, else a `ModelLoadError` naming it."""
     return _require_model_dir(path, what)
+
+
+# -- fit between tokenizer and model -------------------------------------------------------------
+
+
+def tokenizer_id_bound(tokenizer: PreTrainedTokenizerBase) -> int:
+    """One past the largest id the tokenizer can produce (added tokens included)."""
+    ids = tokenizer.get_vocab().values()
+    return max(len(tokenizer), max(ids, default=-1) + 1)
+
+
+def model_vocab_size(path: Path) -> int:
+    """The embedding rows of the causal LM at `path`, from its config.json (no weights are read)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        size = config.get_text_config().vocab_size
+    except Exception as err:
+        raise ModelLoadError(f"cannot read the model config in {path}: {type(err).__name__}: {err}") from err
+    if not isinstance(size, int) or size <= 0:
+        raise ModelLoadError(f"the model config in {path} has no usable vocab_size (got {size!r})")
+    return size
+
+
+def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> None:
+    """A `ModelLoadError` naming both sizes when the tokenizer can emit ids the model has no embedding
+    for: such an id fails deep inside the first forward pass (or, on a GPU, corrupts memory)."""
+    check_vocab(tokenizer, model_vocab_size(model_dir), str(model_dir))
+
+
+def check_vocab(tokenizer: PreTrainedTokenizerBase, vocab: int, where: str) -> None:
+    bound = tokenizer_id_bound(tokenizer)
+    if bound > vocab:
+        raise ModelLoadError(
+            f"tokenizer and model in {where} do not fit: the tokenizer has {bound} token ids but the model's"
+            f" vocabulary has {vocab} (ids >= {vocab} have no embedding); use the tokenizer the model was trained"
+            " with, or resize the model's embeddings"
+        )

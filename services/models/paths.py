@@ -6,28 +6,19 @@ which tells a directory we built apart from a foreign one and catches a stale bu
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from services.core.config import ModelSpec
-from services.models.atomic import MARKER
+from services.models.atomic import read_model_info
+from services.models.gguf_model import materialize_gguf
 from services.models.loading import ModelLoadError
 from services.models.reward_model import build_tiny_reward_model
 from services.models.tiny import build_tiny_model
 from services.tasks.base import Task
 
 log = logging.getLogger(__name__)
-
-
-def read_model_info(path: Path) -> dict[str, Any] | None:
-    """The `rlfleet_model.json` of a directory we built, or None for a foreign model directory."""
-    marker = Path(path) / MARKER
-    if not marker.is_file():
-        return None
-    data: dict[str, Any] = json.loads(marker.read_text())
-    return data
 
 
 def _spec_mismatch(info: dict[str, Any], spec: ModelSpec, task: Task, seed: int) -> list[str]:
@@ -45,6 +36,8 @@ def resolve_model_path(spec: ModelSpec, role: str, task: Task, run_dir: Path, se
     than a silent reuse of the wrong model.
     """
     path = Path(spec.path) if spec.path is not None else Path(run_dir) / "models" / role
+    if spec.gguf_file is not None:
+        return materialize_gguf(Path(spec.gguf_file), path, role)
     empty_dir = path.is_dir() and not any(path.iterdir())
     if path.exists() and not empty_dir:
         if not path.is_dir():

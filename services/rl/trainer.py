@@ -28,6 +28,21 @@ def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute each transformer block's activations in the backward pass instead of keeping them.
+
+    `model` is a transformers model or wraps one as `.backbone` (the value model). Non-reentrant
+    checkpointing: the reentrant form drops the gradient of a block whose inputs need none."""
+    target = getattr(model, "backbone", model)
+    if not getattr(target, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(target).__name__} does not support gradient checkpointing")
+    kwargs = {"use_reentrant": False}
+    if hasattr(target, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
+        target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+
+
 def micro_weights(mb: Rollout, micro: int, agg: str) -> list[tuple[torch.Tensor, float]]:
     """Split a minibatch into micro-batches of `micro` rows with the weight each micro-batch's loss
     gets so that the accumulated gradient equals the whole minibatch's: its share of the masked
@@ -49,12 +64,15 @@ class PolicyTrainer:
     """PPO-style policy updates on whatever device the model lives on; rollouts arrive on the CPU and
     move one micro-batch at a time."""
 
-    def __init__(self, model: nn.Module, algo: AlgoSection, temperature: float, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, algo: AlgoSection, temperature: float, seed: int = 0,
+                 gradient_checkpointing: bool = False) -> None:
         self.model = model
         self.algo = algo
         self.temperature = temperature
         self.seed = seed
         self.device = _device_of(model)
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.opt = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=algo.lr, weight_decay=0.0
         )
@@ -132,11 +150,14 @@ class PolicyTrainer:
 
 
 class ValueTrainer:
-    def __init__(self, model: ValueModel, algo: AlgoSection, seed: int = 0) -> None:
+    def __init__(self, model: ValueModel, algo: AlgoSection, seed: int = 0,
+                 gradient_checkpointing: bool = False) -> None:
         self.model = model
         self.algo = algo
         self.seed = seed
         self.device = _device_of(model)
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.opt = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=algo.critic_lr, weight_decay=0.0
         )

@@ -1,0 +1,220 @@
+"""What a run gives back: the actor's checkpoint as a `save_pretrained` directory with its tokenizer.
+
+The checkpoint (`RUN_DIR/checkpoints/actor/vNNNNNNNN/model.safetensors`, see checkpoint.py) holds the
+policy's state dict only; the architecture, generation config, tokenizer and chat template live in
+the base model directory the run started from (`models.policy.path` in `RUN_DIR/fleet.yaml` or
+`RUN_DIR/local.yaml`, the resolved configs of a fleet and a local run, or `RUN_DIR/models/policy`).
+An export loads the base architecture, loads the verified checkpoint into it, and writes both, so
+`AutoModelForCausalLM.from_pretrained(out)` scores exactly like the trainer. The output is written
+beside its target and renamed into place: never a half-written export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from services.core.config import ConfigError, RunConfig, load_config
+from services.models.atomic import staging_dir
+from services.models.checkpoint import CheckpointError, latest_meta, load_checkpoint, version_dir_name
+from services.models.checkpoint_layout import LATEST, MODEL_FILE
+from services.models.loading import ModelLoadError, load_tokenizer, require_model_dir
+
+log = logging.getLogger(__name__)
+
+SERVICE = "actor"
+EXPORT_DIR = "export"
+INFO_FILE = "rlfleet_export.json"
+FLEET_CONFIG = "fleet.yaml"
+LOCAL_CONFIG = "local.yaml"
+
+# safetensors header dtypes a checkpoint of ours can hold.
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be made as asked; the message names the path or version."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    out: Path
+    version: int
+    step: int
+    base: Path
+    checkpoint: Path
+
+
+def record_local_config(cfg: RunConfig, policy_path: Path) -> Path:
+    """Write RUN_DIR/local.yaml, the resolved config of a `train --local` run (what fleet.yaml is to
+    a fleet run), so an export later finds the base model and the checkpoints from the run dir alone."""
+    data = cfg.model_dump(mode="json")
+    data["run"]["dir"] = str(cfg.run_dir.resolve())
+    data["models"]["policy"]["path"] = str(Path(policy_path).resolve())
+    data["checkpoint"]["dir"] = str(cfg.checkpoint_dir.resolve())
+    out = cfg.run_dir / LOCAL_CONFIG
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, out)
+    return out
+
+
+def _fleet_policy_and_checkpoints(run_dir: Path) -> tuple[Path | None, Path]:
+    """(models.policy.path, checkpoint root) as the run saw them: from RUN_DIR/fleet.yaml (a fleet
+    run) or RUN_DIR/local.yaml (a local run)."""
+    for name in FLEET_CONFIG, LOCAL_CONFIG:
+        resolved = run_dir / name
+        if resolved.is_file():
+            break
+    else:
+        return None, run_dir / "checkpoints"
+    try:
+        cfg = load_config(resolved)
+    except ConfigError as err:
+        raise ExportError(f"cannot read {resolved}: {str(err).splitlines()[0]}") from None
+    path = Path(cfg.models.policy.path) if cfg.models.policy.path else None
+    return path, cfg.checkpoint_dir
+
+
+def find_base(run_dir: Path) -> Path:
+    """The model directory the run's policy started from."""
+    path, _ = _fleet_policy_and_checkpoints(run_dir)
+    if path is None:
+        path = run_dir / "models" / "policy"
+        if not (path / "config.json").is_file():
+            raise ExportError(f"cannot tell which model {run_dir} trained: it has no {FLEET_CONFIG}, no"
+                              f" {LOCAL_CONFIG} and no {path}; pass --base MODEL_DIR (the run's models.policy.path)")
+    return path
+
+
+def _checkpoint_dir(root: Path, version: int | None) -> Path:
+    sdir = root / SERVICE
+    if version is None:
+        try:
+            meta = latest_meta(root, SERVICE)
+        except CheckpointError as err:
+            raise ExportError(f"the latest {SERVICE} checkpoint is unreadable: {err}") from None
+        if meta is None:
+            raise ExportError(f"no {SERVICE} checkpoint in {sdir} (no {LATEST}): the run has not checkpointed"
+                              " a trained version yet")
+        return meta.path
+    path = sdir / version_dir_name(version)
+    if not path.is_dir():
+        have = sorted(int(p.name[1:]) for p in sdir.glob("v[0-9]*") if p.is_dir() and p.name[1:].isdigit())
+        listed = ", ".join(map(str, have)) if have else "none"
+        raise ExportError(f"no {SERVICE} checkpoint of version {version} in {sdir} (versions there: {listed})")
+    return path
+
+
+def _checkpoint_dtype(path: Path) -> torch.dtype:
+    """The dtype the trainer held the weights in: load the base in it, so nothing is rounded."""
+    with safe_open(str(path / MODEL_FILE), framework="pt") as f:
+        keys = list(f.keys())
+        if not keys:
+            raise ExportError(f"{path / MODEL_FILE} holds no tensors")
+        dtype = f.get_slice(keys[0]).get_dtype()
+    if dtype not in _ST_DTYPES:
+        raise ExportError(f"{path / MODEL_FILE} holds {dtype} tensors; an export reads {', '.join(_ST_DTYPES)}")
+    return _ST_DTYPES[dtype]
+
+
+def load_checkpointed_policy(base: Path, checkpoint: Path) -> tuple[PreTrainedModel, int, int]:
+    """The base architecture with the verified checkpoint's weights: (model, version, step)."""
+    base = require_model_dir(base, "base model")
+    dtype = _checkpoint_dtype(checkpoint)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, local_files_only=True)
+    except Exception as err:
+        raise ExportError(f"cannot load the base model {base}: {type(err).__name__}: {err}") from err
+    try:
+        meta = load_checkpoint(checkpoint, model, service=SERVICE)
+    except CheckpointError as err:
+        raise ExportError(f"cannot load checkpoint {checkpoint} into {base}: {err}") from None
+    model.eval()
+    return model, meta.version, meta.step
+
+
+def _write(tmp: Path, run_dir: Path, base: Path, checkpoint: Path) -> tuple[int, int]:
+    model, version, step = load_checkpointed_policy(base, checkpoint)
+    try:
+        tokenizer = load_tokenizer(base)
+    except ModelLoadError as err:
+        raise ExportError(str(err)) from None
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)  # the chat template travels with it
+    info = {"run_dir": str(run_dir.resolve()), "service": SERVICE, "version": version, "step": step,
+            "base": str(base.resolve()), "checkpoint": str(checkpoint.resolve()), "exported_at": time.time()}
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
+    return version, step
+
+
+def _sources(run_dir: Path, version: int | None, base: Path | None) -> tuple[Path, Path]:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ExportError(f"run directory {run_dir} does not exist" if not run_dir.exists()
+                          else f"run directory {run_dir} is not a directory")
+    if version is not None and version < 1:
+        raise ExportError(f"--version must be >= 1 (version 0 is the untrained base), got {version}")
+    _, root = _fleet_policy_and_checkpoints(run_dir)
+    checkpoint = _checkpoint_dir(root, version)
+    return (Path(base) if base is not None else find_base(run_dir)), checkpoint
+
+
+def export_model(run_dir: Path, out: Path, version: int | None = None, base: Path | None = None) -> Exported:
+    """Export checkpoint `version` (default: the latest) of the run's actor into the new directory `out`."""
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise ExportError(f"--out {out} already exists and is not an empty directory")
+    base_dir, checkpoint = _sources(Path(run_dir), version, base)
+    with staging_dir(out) as tmp:
+        v, step = _write(tmp, Path(run_dir), base_dir, checkpoint)
+    if not (out / INFO_FILE).is_file():
+        raise ExportError(f"--out {out} appeared while exporting; it holds someone else's files")
+    log.info("exported %s version %d (step %d) of %s to %s", SERVICE, v, step, run_dir, out)
+    return Exported(out=out, version=v, step=step, base=base_dir, checkpoint=checkpoint)
+
+
+def export_final(run_dir: Path, base: Path | None = None) -> Exported:
+    """Export the latest checkpoint into RUN_DIR/export at the end of a run, replacing an earlier
+    export (a run extended with more steps): the new one is complete before the old one goes."""
+    run_dir = Path(run_dir)
+    out = run_dir / EXPORT_DIR
+    base_dir, checkpoint = _sources(run_dir, None, base)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EXPORT_DIR}.tmp-", dir=run_dir))
+    try:
+        version, step = _write(tmp, run_dir, base_dir, checkpoint)
+        if out.exists():
+            old = run_dir / f".{EXPORT_DIR}.old-{os.getpid()}-{time.monotonic_ns()}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("exported the final %s version %d (step %d) to %s", SERVICE, version, step, out)
+    return Exported(out=out, version=version, step=step, base=base_dir, checkpoint=checkpoint)
+
+
+def export_main(run_dir: str, out: str, version: int | None = None, base: str | None = None) -> int:
+    """`rlfleet export`: one line on success (stdout) or failure (stderr)."""
+    try:
+        done = export_model(Path(run_dir), Path(out), version, Path(base) if base else None)
+    except (ExportError, ModelLoadError) as err:
+        print(f"export failed: {err}", file=sys.stderr)
+        return 1
+    print(f"exported {SERVICE} version {done.version} (step {done.step}) of {run_dir} to {done.out}")
+    return 0
