@@ -127,7 +127,7 @@ def run_local(
                                                 on.response_mask).cpu()
         r = rb.concat(parts, pad_id=tok.pad_token_id)  # type: ignore[attr-defined]
         t_score = time.perf_counter()
-        stats = compute_advantages(r, cfg.algo)
+        stats = compute_advantages(r, cfg.algo, cfg.generation.max_new_tokens)
         stats.update(trainer.train_step(r, step=step, current_version=version))
         if critic_trainer is not None:
             stats.update(critic_trainer.train_step(r, step=step))

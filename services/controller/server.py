@@ -453,7 +453,7 @@ class Controller:
         step = self.journal.step
         t0 = time.perf_counter()
         r = rb.concat(parts, pad_id=self.tokenizer.pad_token_id)
-        stats = compute_advantages(r, c.algo)
+        stats = compute_advantages(r, c.algo, c.generation.max_new_tokens)
         batch = train_batch_to_proto(r, step=step, batch_id=f"s{step}", target_version=self.version + 1)
         # Journaled before any Train call: a crash from here on resumes exactly this step.
         await self.durable(self.journal.put_batch, step + 1, batch.SerializeToString())

@@ -1,4 +1,5 @@
-"""Advantage estimators for PPO (GAE), GRPO, RLOO and REINFORCE++.
+"""Advantage estimators for PPO (GAE), GRPO (and Dr. GRPO), RLOO, REINFORCE++ (and its group-baseline
+variant), and DAPO's overlong reward shaping.
 
 Everything here works on the padded `[B, R]` response layout and treats only masked tokens as the
 trajectory: padding is skipped (never a time step) and always comes out as 0. The recursions
@@ -136,6 +137,28 @@ def grpo_advantages(
         dev = dev / (var.sqrt()[inverse] + eps)
     adv = torch.where(counts[inverse] >= 2, dev, torch.zeros_like(dev))
     return _broadcast_rows(adv, m, dtype)
+
+
+def group_mean_baseline(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """Score minus its group's mean (REINFORCE++-baseline's first step); a group of one gets 0."""
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must be [B]")
+    s = scores.to(torch.float64)
+    inverse, counts = _group_index(group_ids)
+    mean = _group_sum(s, inverse, len(counts)) / counts.to(torch.float64)
+    out = torch.where(counts[inverse] >= 2, s - mean[inverse], torch.zeros_like(s))
+    return out.to(out_dtype(scores.dtype))
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, factor: float) -> Tensor:
+    """DAPO's soft overlong punishment: 0 up to `max_len - buffer_len` tokens, then falling linearly
+    to `-factor` at `max_len` (and beyond), so truncated responses are penalised by how far into the
+    buffer they ran rather than all at once."""
+    if not 0 < buffer_len <= max_len:
+        raise ValueError(f"overlong buffer_len must be in (0, max_len={max_len}], got {buffer_len}")
+    expected = max_len - buffer_len
+    frac = (expected - lengths.to(torch.float64)) / buffer_len
+    return (factor * frac.clamp(-1.0, 0.0)).to(torch.float32)
 
 
 def rloo_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:

@@ -2,7 +2,9 @@
 divergence", 2020).
 
 k1 is unbiased but high-variance and can be negative; k2 is low-variance but biased; k3 is
-unbiased, non-negative and low-variance, which is why it is the default.
+unbiased, non-negative and low-variance, which is why it is the default in the loss. The names verl
+uses are accepted too: `low_var_kl` is k3 with verl's bounds (identical to k3 here, since both are
+bounded the same way), `abs` is |log pi - log ref|.
 """
 
 from __future__ import annotations
@@ -14,27 +16,37 @@ from torch import Tensor
 
 from services.rl.masked import acc_dtype
 
-KLKind = Literal["k1", "k2", "k3"]
+KLKind = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
+KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl", "abs")
 
 # k3 exponentiates the log-ratio. One token on which the policy has drifted far from the reference
 # (or a padding slot holding an arbitrary log-prob) would give exp(>88) = inf in float32, and inf
 # times a zero mask is NaN, which poisons the whole loss and every gradient. Clamping to +-20 keeps
-# exp() below ~5e8, far beyond any ratio that carries a useful signal, at the cost of a zero
-# gradient on those (already pathological) tokens.
+# exp() finite; the estimate itself is then bounded by `KL_VALUE_CLAMP`.
 K3_LOG_RATIO_CLAMP = 20.0
 
+# Bound on each token's estimate, as verl (low_var_kl) and OpenRLHF (every estimator) bound it:
+# even the log-ratio clamp above lets k3 reach ~5e8 on one token, which would swamp every other
+# term of a loss or a reward. A token past +-10 nats carries no useful signal beyond "far away".
+KL_VALUE_CLAMP = 10.0
 
-def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind) -> Tensor:
-    """Per-token KL estimate [B, R]; not masked (the caller masks). Gradients flow through both."""
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind, clamp: float | None = KL_VALUE_CLAMP) -> Tensor:
+    """Per-token KL estimate [B, R], each value bounded to [-clamp, clamp] (None: unbounded, though
+    k3 stays finite); not masked (the caller masks). Gradients flow through both inputs."""
     acc = acc_dtype(logp.dtype)
     diff = logp.to(acc) - ref_logp.to(acc)  # log pi/ref
     if kind == "k1":
         out = diff
     elif kind == "k2":
         out = 0.5 * diff * diff
-    elif kind == "k3":
+    elif kind in ("k3", "low_var_kl"):
         log_ratio = (-diff).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)  # log ref/pi
         out = torch.expm1(log_ratio) - log_ratio  # expm1: no cancellation (or negatives) near 0
+    elif kind == "abs":
+        out = diff.abs()
     else:
-        raise ValueError(f"unknown KL estimator {kind!r} (expected 'k1', 'k2' or 'k3')")
+        raise ValueError(f"unknown KL estimator {kind!r} (expected one of {', '.join(KL_KINDS)})")
+    if clamp is not None:
+        out = out.clamp(-clamp, clamp)
     return out.to(logp.dtype)

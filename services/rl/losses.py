@@ -12,11 +12,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from services.rl.kl import K3_LOG_RATIO_CLAMP, KLKind, kl_estimate
+from services.rl.kl import K3_LOG_RATIO_CLAMP, KL_VALUE_CLAMP, KLKind, kl_estimate
 from services.rl.masked import acc_dtype, as_bool_mask, masked_mean, masked_sum
 
-AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
-_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+RatioLevel = Literal["token", "sequence"]
 
 # Bounds on log-ratios before exp(): exp(20) ~ 5e8 is finite in float32 and far past any ratio the
 # clip or the weight cap lets through, so the bound only matters for pathological tokens.
@@ -34,11 +35,13 @@ def _check_same(like: Tensor, **tensors: Tensor | None) -> None:
             raise ValueError(f"{name} shape {tuple(t.shape)} != expected {tuple(like.shape)}")
 
 
-def aggregate(loss_mat: Tensor, mask: Tensor, mode: AggMode) -> Tensor:
+def aggregate(loss_mat: Tensor, mask: Tensor, mode: AggMode, norm_len: int | None = None) -> Tensor:
     """Reduce a per-token loss to a scalar; 0 (still attached to the graph) when nothing is masked.
 
     `token_mean` weights every token equally (long responses dominate); the `seq_mean_*` modes weight
-    every non-empty response equally, by its mean or its sum over tokens.
+    every non-empty response equally, by its mean or its sum over tokens. `seq_mean_token_sum_norm`
+    (Dr. GRPO) divides each response's sum by one constant, `norm_len` (the generation budget; the
+    batch's padded width when not given), so no response length rescales its own gradient.
     """
     _check_mode(mode)
     m = as_bool_mask(mask, loss_mat)
@@ -48,7 +51,15 @@ def aggregate(loss_mat: Tensor, mask: Tensor, mode: AggMode) -> Tensor:
     else:
         if x.dim() != 2:
             raise ValueError(f"{mode} needs a [B, R] loss, got shape {tuple(x.shape)}")
-        per_row = masked_mean(x, m, dim=1) if mode == "seq_mean_token_mean" else masked_sum(x, m, dim=1)
+        if mode == "seq_mean_token_mean":
+            per_row = masked_mean(x, m, dim=1)
+        else:
+            per_row = masked_sum(x, m, dim=1)
+            if mode == "seq_mean_token_sum_norm":
+                norm = x.shape[1] if norm_len is None else norm_len
+                if norm < 1:
+                    raise ValueError(f"seq_mean_token_sum_norm needs norm_len >= 1, got {norm}")
+                per_row = per_row / norm
         out = masked_mean(per_row, m.any(dim=1))
     return out.to(loss_mat.dtype)
 
@@ -59,18 +70,29 @@ def _safe_log_ratio(num: Tensor, den: Tensor, m: Tensor) -> Tensor:
     return diff.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
 
 
+def _sequence_log_ratio(log_ratio: Tensor, m: Tensor) -> Tensor:
+    """Length-normalised sequence log-ratio (1/|y|) sum_t log r_t, broadcast to every real token."""
+    per_row = masked_mean(log_ratio, m, dim=1)
+    return torch.where(m, per_row[:, None].expand(m.shape), torch.zeros_like(log_ratio))
+
+
 def decoupled_weights(
-    proximal_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cap: float | None
+    proximal_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cap: float | None,
+    level: RatioLevel = "token",
 ) -> Tensor:
     """Importance weight pi_prox / pi_behaviour per token, capped, 0 on padding, without grad.
 
     It corrects for the batch having been sampled by an older policy than the one PPO clips
-    against; the cap bounds the variance a very stale token can add.
+    against; the cap bounds the variance a very stale token can add. At `level="sequence"` (GSPO)
+    each response gets one weight, the length-normalised sequence ratio.
     """
     _check_same(proximal_logp, behaviour_logp=behaviour_logp)
     with torch.no_grad():
         m = as_bool_mask(mask, proximal_logp)
-        w = torch.exp(_safe_log_ratio(proximal_logp, behaviour_logp, m))
+        log_w = _safe_log_ratio(proximal_logp, behaviour_logp, m)
+        if level == "sequence":
+            log_w = _sequence_log_ratio(log_w, m)
+        w = torch.exp(log_w)
         if cap is not None:
             w = w.clamp(max=cap)
         w = torch.where(m, w, torch.zeros_like(w))
@@ -87,46 +109,73 @@ def policy_loss(
     agg: AggMode = "token_mean",
     behaviour_logp: Tensor | None = None,
     behaviour_weight_cap: float | None = None,
+    ratio_level: RatioLevel = "token",
+    dual_clip_c: float | None = None,
+    norm_len: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate against the proximal policy `old_logp`; decoupled when given a behaviour.
 
+    `ratio_level="sequence"` is GSPO: every token of a response carries the length-normalised
+    sequence ratio s = exp(mean_t log r_t), written so its gradient is s * grad log pi per token.
+    `dual_clip_c` (> 1) bounds the loss of negative-advantage tokens at -c * A (dual-clip PPO), so a
+    huge ratio on a bad token cannot dominate the step.
+
     Stats: `clip_frac` (tokens whose gradient the clip removes), `approx_kl` (k3 estimate of
-    KL(old || new) from tokens sampled by old: r - 1 - log r), `ratio_mean`, and
-    `behaviour_weight_mean` (1.0 when not decoupled). Means are over masked tokens, 0 if none.
+    KL(old || new) from tokens sampled by old: r - 1 - log r), `ratio_mean`, `dual_clip_frac`
+    (with dual clip), and `behaviour_weight_mean` (1.0 when not decoupled). Means are over masked
+    tokens, 0 if none.
     """
     _check_mode(agg)
     _check_same(logp, old_logp=old_logp, advantages=advantages, behaviour_logp=behaviour_logp)
+    if dual_clip_c is not None and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
     m = as_bool_mask(mask, logp)
     acc = acc_dtype(logp.dtype)
-    log_ratio = _safe_log_ratio(logp, old_logp.detach(), m)
+    tok_log_ratio = _safe_log_ratio(logp, old_logp.detach(), m)
+    if ratio_level == "sequence":
+        seq = _sequence_log_ratio(tok_log_ratio, m).detach()
+        lp = logp.to(acc)
+        # The value is the sequence ratio; the gradient flows through each token's own log-prob.
+        log_ratio = torch.where(m, seq + lp - lp.detach(), torch.zeros_like(seq))
+    else:
+        log_ratio = tok_log_ratio
     ratio = torch.exp(log_ratio)
     adv = torch.where(m, advantages.detach().to(acc), torch.zeros((), dtype=acc, device=logp.device))
     high = clip_eps if clip_eps_high is None else clip_eps_high
     surr = ratio * adv
     surr_clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high) * adv
     loss_mat = -torch.minimum(surr, surr_clipped)
+    dual_hit: Tensor | None = None
+    if dual_clip_c is not None:
+        bound = -dual_clip_c * adv
+        dual_hit = (adv < 0) & (loss_mat > bound)
+        loss_mat = torch.where(dual_hit, bound, loss_mat)
     weight: Tensor | None = None
     if behaviour_logp is not None:
-        weight = decoupled_weights(old_logp.detach(), behaviour_logp, m, behaviour_weight_cap).to(acc)
+        weight = decoupled_weights(old_logp.detach(), behaviour_logp, m, behaviour_weight_cap, ratio_level).to(acc)
         loss_mat = loss_mat * weight
-    loss = aggregate(loss_mat, m, agg).to(logp.dtype)
+    loss = aggregate(loss_mat, m, agg, norm_len).to(logp.dtype)
 
     with torch.no_grad():
         clipped = ((ratio > 1.0 + high) & (adv > 0)) | ((ratio < 1.0 - clip_eps) & (adv < 0))
-        approx_kl = torch.expm1(log_ratio) - log_ratio  # k3 of KL(old || new): r - 1 - log r
+        approx_kl = torch.expm1(tok_log_ratio) - tok_log_ratio  # k3 of KL(old || new): r - 1 - log r
         parts = [
             masked_mean(clipped.to(acc), m),
             masked_mean(approx_kl, m),
             masked_mean(ratio, m),
             masked_mean(weight, m) if weight is not None else torch.ones((), dtype=acc, device=logp.device),
         ]
-        clip_frac, kl, ratio_mean, w_mean = torch.stack(parts).tolist()
+        if dual_hit is not None:
+            parts.append(masked_mean(dual_hit.to(acc), m))
+        values = torch.stack(parts).tolist()
     stats = {
-        "clip_frac": clip_frac,
-        "approx_kl": kl,
-        "ratio_mean": ratio_mean,
-        "behaviour_weight_mean": w_mean,
+        "clip_frac": values[0],
+        "approx_kl": values[1],
+        "ratio_mean": values[2],
+        "behaviour_weight_mean": values[3],
     }
+    if dual_hit is not None:
+        stats["dual_clip_frac"] = values[4]
     return loss, stats
 
 
@@ -137,6 +186,7 @@ def value_loss(
     mask: Tensor,
     clip: float | None,
     agg: AggMode = "token_mean",
+    norm_len: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped value loss 0.5 * max((v - R)^2, (v_clipped - R)^2); unclipped when `clip` is None.
 
@@ -163,7 +213,7 @@ def value_loss(
         vf_clipped = err_clipped * err_clipped
         loss_mat = 0.5 * torch.maximum(vf, vf_clipped)
         clipped = m & (vf_clipped > vf)
-    loss = aggregate(loss_mat, m, agg).to(values.dtype)
+    loss = aggregate(loss_mat, m, agg, norm_len).to(values.dtype)
     with torch.no_grad():
         clip_frac, value_mean = torch.stack([masked_mean(clipped.to(acc), m), masked_mean(v, m)]).tolist()
     return loss, {"vf_clip_frac": clip_frac, "value_mean": value_mean}
@@ -186,7 +236,10 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return (-(p * logp_safe).sum(dim=-1)).to(logits.dtype)
 
 
-def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: KLKind, agg: AggMode) -> Tensor:
+def kl_loss(
+    logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: KLKind, agg: AggMode,
+    clamp: float | None = KL_VALUE_CLAMP, norm_len: int | None = None,
+) -> Tensor:
     """KL-in-loss penalty: the aggregated per-token estimate, gradients through `logp` only."""
     _check_mode(agg)
     _check_same(logp, ref_logp=ref_logp)
@@ -194,4 +247,4 @@ def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: KLKind, agg: Agg
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     lp = torch.where(m, logp, zero)
     ref = torch.where(m, ref_logp.detach().to(logp.dtype), zero)
-    return aggregate(kl_estimate(lp, ref, kind), m, agg)
+    return aggregate(kl_estimate(lp, ref, kind, clamp), m, agg, norm_len)

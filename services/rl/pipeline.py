@@ -3,12 +3,12 @@ so the fleet and the single-process baseline compute the exact same thing."""
 
 from __future__ import annotations
 
-import torch
-
 from services.core.config import AlgoSection
 from services.rl.advantages import (
     gae,
+    group_mean_baseline,
     grpo_advantages,
+    overlong_penalty,
     reinforce_pp_advantages,
     rloo_advantages,
     token_level_rewards,
@@ -22,17 +22,29 @@ class MissingScores(ValueError):
     pass
 
 
-def compute_advantages(r: Rollout, algo: AlgoSection) -> dict[str, float]:
-    """Fill `r.advantages` (and `r.returns` for PPO) in place; return step statistics."""
+def compute_advantages(r: Rollout, algo: AlgoSection, max_new_tokens: int | None = None) -> dict[str, float]:
+    """Fill `r.advantages` (and `r.returns` for PPO) in place; return step statistics.
+
+    `max_new_tokens` is the generation budget DAPO's overlong shaping measures lengths against.
+    """
     mask = r.response_mask
     if r.rewards is None:
         raise MissingScores("rollout has no rewards: the reward stage has not scored it")
     scores = r.rewards.float()
+    lengths = mask.sum(dim=1)
+    stats: dict[str, float] = {}
+    if algo.overlong_buffer_len is not None:
+        if max_new_tokens is None:
+            raise ValueError("overlong shaping needs the generation budget (max_new_tokens)")
+        penalty = overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty_factor)
+        stats["overlong_penalty_mean"] = float(penalty.mean())
+        scores = scores + penalty
     kl = None
     if algo.needs_reference:
         if r.ref_logprobs is None:
             raise MissingScores("kl_coef > 0 but the rollout has no reference log-probs")
-        kl = kl_estimate(r.behaviour_logprobs.float(), r.ref_logprobs.float(), algo.kl_estimator)
+        kind = algo.kl_estimator_reward if algo.kl_in == "reward" else algo.kl_estimator
+        kl = kl_estimate(r.behaviour_logprobs.float(), r.ref_logprobs.float(), kind, algo.kl_clamp)
     in_reward = algo.kl_coef if (kl is not None and algo.kl_in == "reward") else 0.0
 
     if algo.name == "ppo":
@@ -41,31 +53,26 @@ def compute_advantages(r: Rollout, algo: AlgoSection) -> dict[str, float]:
         tok_r = token_level_rewards(scores, mask, kl, in_reward)
         adv, ret = gae(tok_r, r.values.float(), mask, algo.gamma, algo.lam)
         r.advantages, r.returns = masked_whiten(adv, mask), ret
-    elif algo.name == "reinforce_pp":
-        tok_r = token_level_rewards(scores, mask, kl, in_reward)
+    elif algo.name in ("reinforce_pp", "reinforce_pp_baseline"):
+        base = group_mean_baseline(scores, r.group_ids) if algo.name == "reinforce_pp_baseline" else scores
+        tok_r = token_level_rewards(base, mask, kl, in_reward)
         r.advantages = reinforce_pp_advantages(tok_r, mask, algo.gamma)
     else:
         # Group baselines work on sequence scores, so a KL-in-reward penalty is summed per sequence.
         seq = scores - in_reward * masked_sum(kl, mask, dim=1) if (kl is not None and in_reward) else scores
-        fn = grpo_advantages if algo.name == "grpo" else rloo_advantages
-        r.advantages = fn(seq, r.group_ids, mask)
+        if algo.name == "rloo":
+            r.advantages = rloo_advantages(seq, r.group_ids, mask)
+        else:  # grpo, dr_grpo, dapo, gspo: the group-normalised advantage
+            r.advantages = grpo_advantages(seq, r.group_ids, mask, norm_std=algo.group_norm_std)
 
-    stats = {
-        "reward_mean": float(scores.mean()),
-        "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+    stats.update({
+        "reward_mean": float(r.rewards.float().mean()),
+        "reward_std": float(r.rewards.float().std()) if len(scores) > 1 else 0.0,
         "adv_abs_mean": float(masked_mean(r.advantages.abs(), mask)),
-        "response_len_mean": float(mask.sum(dim=1).float().mean()),
-    }
+        "response_len_mean": float(lengths.float().mean()),
+    })
     if kl is not None:
         stats["kl"] = float(masked_mean(kl, mask))
     if r.returns is not None:
         stats["return_mean"] = float(masked_mean(r.returns, mask))
     return stats
-
-
-def group_solve_rate(r: Rollout) -> float:
-    """Fraction of prompt groups with at least one positive reward (how much signal GRPO sees)."""
-    assert r.rewards is not None
-    groups = torch.unique(r.group_ids)
-    hits = sum(bool((r.rewards[r.group_ids == g] > 0).any()) for g in groups)
-    return hits / max(len(groups), 1)

@@ -123,15 +123,17 @@ class PolicyTrainer:
                         logp, old[rows].to(self.device), part.advantages, part.response_mask,  # type: ignore[arg-type]
                         clip_eps=algo.clip_eps, clip_eps_high=algo.clip_eps_high, agg=algo.loss_agg,
                         behaviour_logp=None if behaviour is None else behaviour[rows].to(self.device),
-                        behaviour_weight_cap=algo.behaviour_weight_cap,
+                        behaviour_weight_cap=algo.behaviour_weight_cap, ratio_level=algo.ratio_level,
+                        dual_clip_c=algo.dual_clip_c, norm_len=algo.loss_norm_len,
                     )
                     sums["policy_loss"] += w * float(loss.detach())
                     if algo.kl_coef > 0 and algo.kl_in == "loss" and part.ref_logprobs is not None:
-                        kl = kl_loss(logp, part.ref_logprobs, part.response_mask, algo.kl_estimator, algo.loss_agg)
+                        kl = kl_loss(logp, part.ref_logprobs, part.response_mask, algo.kl_estimator, algo.loss_agg,
+                                     clamp=algo.kl_clamp, norm_len=algo.loss_norm_len)
                         loss = loss + algo.kl_coef * kl
                         sums["kl_loss"] += w * float(kl.detach())
                     assert ent is not None
-                    entropy = aggregate(ent, part.response_mask, algo.loss_agg)
+                    entropy = aggregate(ent, part.response_mask, algo.loss_agg, algo.loss_norm_len)
                     if algo.entropy_coef > 0:
                         loss = loss - algo.entropy_coef * entropy
                     (loss * w).backward()
@@ -179,7 +181,7 @@ class ValueTrainer:
                     v = self.model.values(part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
                     loss, st = value_loss(
                         v, part.values, part.returns, part.response_mask, clip=algo.value_clip,  # type: ignore[arg-type]
-                        agg=algo.loss_agg,
+                        agg=algo.loss_agg, norm_len=algo.loss_norm_len,
                     )
                     (loss * w).backward()
                     sums["value_loss"] += w * float(loss.detach())
