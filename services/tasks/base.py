@@ -11,51 +11,16 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+# Re-exported: the leaf module holds them so the reward code can use them without importing tasks.
+from services.tasks.prompt import Prompt, PromptError, RewardFn, TaskError, TokenizerKind
 
 if TYPE_CHECKING:
     from services.tasks.rewards import RewardResult, RewardSet
 
-TokenizerKind = Literal["char", "word"]
-RewardFn = Callable[["Prompt", str], float]
-
-
-class TaskError(ValueError):
-    """A task that cannot be built or a reward that cannot be computed; the message says which and why."""
-
-
-class PromptError(TaskError):
-    """A data row that cannot become a prompt (e.g. a chat template that fails on it). At run time it
-    ends that row's tasks dead with `reason` instead of stopping the run."""
-
-    reason = "bad_prompt"
-
-    def __init__(self, message: str, index: int | None = None) -> None:
-        super().__init__(message)
-        self.index = index
-
-
-@dataclass(frozen=True)
-class Prompt:
-    index: int
-    text: str
-    # The reference answer for verifiable tasks; "" for open-ended tasks (e.g. sentiment).
-    answer: str
-    # The conversation when the data holds chat messages rather than one string (`text` is then
-    # the last user turn); rendered through the tokenizer's chat template.
-    messages: tuple[Mapping[str, Any], ...] | None = field(default=None, hash=False)
-    # The row's other columns under their (mapped) names, handed to reward functions as keywords.
-    fields: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    # Where the row came from ("train.jsonl row 17"), for error messages.
-    origin: str = ""
-
-    def reward_fields(self) -> dict[str, Any]:
-        return {"answer": self.answer, **self.fields}
-
-    def where(self) -> str:
-        return self.origin or f"prompt {self.index}"
+__all__ = ["BaseTask", "Prompt", "PromptError", "RewardFn", "Task", "TaskError", "TokenizerKind"]
 
 
 @runtime_checkable

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from services.tasks.base import Prompt, TaskError
+from services.tasks.prompt import Prompt, TaskError
 
 if TYPE_CHECKING:
     from services.core.config import TaskSection

@@ -1,8 +1,10 @@
 """The layout of services/: dependencies point one way, and every module stays small enough to read.
 
 The import graph is computed from the source with `ast`, not by importing: every `import` and
-`from ... import` anywhere in a module counts (module level, inside functions, under TYPE_CHECKING),
-since a lazy import is still a dependency, and a cycle hidden inside a function is still a cycle.
+`from ... import` anywhere in a module counts (module level and inside functions), since a lazy import
+is still a dependency, and a cycle hidden inside a function is still a cycle. Imports under
+`if TYPE_CHECKING:` are left out: they never run, so they order no loading, and they are how a module
+names a type for its annotations without depending on the module that defines it.
 """
 
 from __future__ import annotations
@@ -31,12 +33,31 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(SERVICES.rglob("*.py"))}
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node but those only a type checker sees (the body of `if TYPE_CHECKING:`)."""
+    out: list[ast.AST] = []
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The services modules `name` imports: `import a.b` names a.b; `from a import b` names a.b when
     b is a module, else a; relative imports are resolved against the importing package."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -159,6 +180,8 @@ def test_the_checker_sees_lazy_submodule_and_relative_imports(tmp_path: Path) ->
         "services/pkg/b.py": "from .c import thing\n",
         "services/pkg/c.py": "import services.pkg.a\nthing = 1\n",
         "services/pkg/d.py": "from services.pkg.c import thing\n",
+        "services/pkg/e.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.pkg import d\n"
+                             "else:\n    import services.pkg.b\n",
     })
     mods = {_module_name(p, tmp_path): p for p in sorted((tmp_path / "services").rglob("*.py"))}
     known = set(mods)
@@ -166,6 +189,7 @@ def test_the_checker_sees_lazy_submodule_and_relative_imports(tmp_path: Path) ->
     assert graph["services.pkg.a"] == {"services.pkg.b"}
     assert graph["services.pkg.b"] == {"services.pkg.c"}
     assert graph["services.pkg.d"] == {"services.pkg.c"}
+    assert graph["services.pkg.e"] == {"services.pkg.b"}  # the type-checking-only import is no edge
     comps = _strongly_connected(graph)
     assert comps == [["services.pkg.a", "services.pkg.b", "services.pkg.c"]]
     assert _shortest_cycle(graph, comps[0]) == ["services.pkg.a", "services.pkg.b", "services.pkg.c",
