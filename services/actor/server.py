@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import grpc
 from services.actor.outbox import Outbox
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
+from services.core.ids import rollout_id as new_rollout_id
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.runtime import ServiceRuntime
@@ -142,10 +142,9 @@ class Actor:
                 raise Rejected("bad_token_ids", f"prompt {p.task_id!r}: token ids empty or outside the "
                                                 f"vocabulary [0, {self.vocab_size})")
         params = self._params(batch.sampling)
-        # Never generate under an older policy than the one the prompts were admitted at: a
-        # restarted actor waits here while the controller replays the steps it missed.
-        while self.version < batch.version:
-            await asyncio.sleep(0.05)
+        # Never generate under an older policy than the fleet committed or the prompts were
+        # admitted at: a restarted actor waits here while the controller replays what it missed.
+        await self.t.until_caught_up(batch.version)
         t0 = time.perf_counter()
         with self.metrics.time_stage("generate"):
             async with self.engine_lock:
@@ -155,7 +154,7 @@ class Actor:
         rollout = completions_to_rollout(
             [p.task_id for p in batch.prompts], prompts, comps, [int(p.group_id) for p in batch.prompts],
             version, self.tokenizer.pad_token_id)
-        rollout_id = f"{batch.batch_id}:{uuid.uuid4().hex[:8]}"
+        rollout_id = new_rollout_id(batch.batch_id)
         out = rollout_to_proto(rollout, rollout_id, sampling=batch.sampling,
                                finish_reasons=[c.finish_reason for c in comps], generate_seconds=gen_s)
         data = out.SerializeToString()
@@ -237,7 +236,7 @@ class Actor:
                     sent = await self.outbox.flush(self._publish_raw)
                     if sent:
                         log.info("outbox flushed", extra={"sent": sent, "left": self.outbox.pending()})
-                self.t.target_version = (await self.bus.get_versions()).get("actor", 0)
+                await self.t.follow_committed(self.bus)
             except BusUnavailable:
                 pass
             await asyncio.sleep(1.0)

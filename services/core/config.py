@@ -319,6 +319,12 @@ class RunConfig(_Strict):
     def samples_per_step(self) -> int:
         return self.batch.prompts_per_step * self.algo.group_size
 
+    @property
+    def admission_window(self) -> int:
+        """The most tasks in flight (admitted, not yet trained or dead): the staleness budget. With
+        `flow.max_staleness` n, generation may run up to n steps ahead of training."""
+        return (self.flow.max_staleness + 1) * self.samples_per_step
+
     def stages(self) -> list[ServiceName]:
         """Scoring stages this algorithm needs; a stage that is not needed is never started."""
         out: list[ServiceName] = []

@@ -85,7 +85,12 @@ class Policy:
             before_sleep=before_sleep,
             reraise=True,
         )
-        return await retrying(fn)
+
+        async def attempt() -> T:
+            # tenacity awaits only coroutine functions; `fn` is often a lambda returning a coroutine.
+            return await fn()
+
+        return await retrying(attempt)
 
 
 class _StopOnEvent(tenacity.stop.stop_base):

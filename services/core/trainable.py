@@ -1,5 +1,5 @@
 """What the actor and the critic share as trainable services: a version that never goes backwards,
-checkpoints on a cadence and on drain, and catching up to the controller's acknowledged version.
+checkpoints on a cadence and on drain, and catching up to the controller's committed version.
 
 A restarted service reloads its latest checkpoint; the controller notices its version is behind
 the journal's (GetState) and replays the training batches after it, so the service converges to
@@ -17,6 +17,7 @@ import grpc
 import torch
 from torch import nn
 
+from services.core.bus import Bus
 from services.core.config import RunConfig
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.wire import message
@@ -35,8 +36,10 @@ class Trainable:
         self.version = 0
         self.step = 0
         self.checkpoint_version = 0
-        # The version the controller has acknowledged (published in Redis); ready only at it.
-        self.target_version = 0
+        # The version the controller has committed for this service (published in Redis). None
+        # until first read: a replacement does not know how far behind its checkpoint is, so it
+        # neither reports ready nor serves until it has been replayed up to it.
+        self.target_version: int | None = None
         self.lock = asyncio.Lock()  # one Train (or checkpoint) at a time
 
     def restore(self) -> int:
@@ -72,13 +75,26 @@ class Trainable:
     def due(self) -> bool:
         return self.version - self.checkpoint_version >= self.cfg.checkpoint.every
 
+    # -- catch-up gate: a restarted service serves nothing older than the fleet committed ------------
+    async def follow_committed(self, bus: Bus) -> None:
+        """Read the fleet's committed version for this service (raises BusUnavailable)."""
+        self.target_version = (await bus.get_versions()).get(self.service, 0)
+
     @property
     def caught_up(self) -> bool:
-        return self.version >= self.target_version
+        return self.target_version is not None and self.version >= self.target_version
+
+    async def until_caught_up(self, at_least: int = 0) -> None:
+        """Hold a consumer until the controller has replayed this service up to the committed
+        version, and to `at_least` (the version a message was admitted at)."""
+        while not (self.caught_up and self.version >= at_least):
+            await asyncio.sleep(0.05)
 
     def readiness_reason(self) -> str | None:
         if self.caught_up:
             return None
+        if self.target_version is None:
+            return f"catching up: at version {self.version}, fleet's committed version not read yet"
         return f"catching up: at version {self.version}, fleet at {self.target_version}"
 
     def on_disk(self) -> int:

@@ -74,3 +74,9 @@ def test_grpc_codes_matches_only_the_named_codes() -> None:
     assert pred(err(grpc.StatusCode.UNAVAILABLE))
     assert not pred(err(grpc.StatusCode.FAILED_PRECONDITION))
     assert not pred(Away("not grpc"))
+
+
+def test_a_lambda_returning_a_coroutine_is_awaited_and_retried() -> None:
+    calls, op = flaky(2, Away("down"))
+    out = asyncio.run(Policy(retry_on=(Away,), initial_s=0.001).call(lambda: op(), what="test"))  # type: ignore[operator]
+    assert out == "ok" and len(calls) == 3
