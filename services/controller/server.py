@@ -11,6 +11,7 @@ trainables.py, the step's metrics and gauges in recording.py, admission's arithm
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -88,7 +89,9 @@ class Controller:
         self.stopping = asyncio.Event()  # a drain asked the loops to end
         self.instance = f"controller-{os.getpid()}"
         # The highest version published in Redis for the trainables to catch up to; never lowered.
+        # Publishes go one at a time so an older value can never land after a newer one.
         self.published = 0
+        self.publish_lock = asyncio.Lock()
         # Prompt batch id -> monotonic time of its last progress (admit, rollout, score): the
         # watchdog re-publishes batches that stall, whatever lost their messages.
         self.progress: dict[str, float] = {}
@@ -328,8 +331,7 @@ class Controller:
         results = await asyncio.gather(*(self.trainables.train(n, batch) for n in self.trainable))
         t_train = time.perf_counter()
         await fault_point(run_dir, "trained", done_step)
-        await self._publish("publish versions", lambda: bus.set_versions({n: target for n in self.trainable}))
-        self.published = max(self.published, target)
+        await self._publish_versions(target)
         await fault_point(run_dir, "versions_published", done_step)
         gen_versions = r.versions.tolist() if r.versions is not None else [r.version] * len(r)
         async with self.state_lock:
@@ -348,14 +350,22 @@ class Controller:
     async def sync_loop(self) -> None:
         """Watch the trainable services once a second, and keep the version they catch up to in
         Redis (an emptied Redis gets it back within a second)."""
-        assert self.bus is not None
         while self.running:
-            try:
-                await self.bus.set_versions({n: self.published for n in self.trainable})
-            except BusUnavailable:
-                pass
+            with contextlib.suppress(BusUnavailable):
+                async with self.publish_lock:
+                    await self._set_versions()
             await self.trainables.watch_once()
             await self._pause(1.0)
+
+    async def _set_versions(self) -> None:
+        assert self.bus is not None
+        await self.bus.set_versions({n: self.published for n in self.trainable})
+
+    async def _publish_versions(self, version: int) -> None:
+        """Make `version` what the trainables catch up to, retried until Redis answers."""
+        async with self.publish_lock:
+            self.published = max(self.published, version)
+            await self._publish("publish versions", self._set_versions)
 
     # -- recover -------------------------------------------------------------------------------------
     async def watchdog(self) -> None:
@@ -433,7 +443,7 @@ class Controller:
         await self.bus.ensure_groups(keys.dead, ["controller"])
         await self.repair_versions()
         self.published = self.version
-        await self.bus.set_versions({n: self.published for n in self.trainable})
+        await self._set_versions()
         await self.reconcile()
         self.recorder.backfill()
         self.workers = [
