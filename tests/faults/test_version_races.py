@@ -64,9 +64,16 @@ def _ready(fleet: Fleet, name: str) -> bool:
 
 
 def _up(fleet: Fleet, name: str) -> bool:
-    """The replacement runs its service loop (it answers and has published its state)."""
+    """The replacement runs its service loop: it answers /readyz past connecting to Redis (ready,
+    or not ready with its reasons: catching up)."""
     info = read_service_files(fleet.run_dir).get(name) or {}
-    return info.get("pid") == fleet.procs[name].proc.pid and info.get("state") not in (None, "starting")
+    if info.get("pid") != fleet.procs[name].proc.pid:
+        return False
+    try:
+        r = fleet.http(name, "/readyz")
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200 or "connecting to redis" not in r.json().get("reasons", ["connecting to redis"])
 
 
 @pytest.mark.timeout(600)
