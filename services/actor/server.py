@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import grpc
 from services.actor.outbox import Outbox
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
+from services.core.ids import rollout_id as new_rollout_id
 from services.core.limits import Limits
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
@@ -141,7 +141,7 @@ class Actor:
         rollout = completions_to_rollout(
             [p.task_id for p in batch.prompts], prompts, comps, [int(p.group_id) for p in batch.prompts],
             version, self.tokenizer.pad_token_id)
-        rollout_id = f"{batch.batch_id}:{uuid.uuid4().hex[:8]}"
+        rollout_id = new_rollout_id(batch.batch_id)
         out = rollout_to_proto(rollout, rollout_id, sampling=batch.sampling,
                                finish_reasons=[c.finish_reason for c in comps], generate_seconds=gen_s)
         data = out.SerializeToString()
@@ -157,15 +157,16 @@ class Actor:
         self.metrics.samples.labels(phase="generate").inc(len(rollout))
 
     async def wait_for_version(self, batch: pb.PromptBatch) -> None:
-        """Never generate under an older policy than the one the prompts were admitted at: a
-        restarted actor waits here while the controller replays the steps it missed. The wait is
-        bounded, since it holds the only consumer loop: a version the controller has not committed
-        (a hostile message, or an old run's on a reused run name and redis.url) is rejected at once,
-        and one not reached within flow.rpc_timeout_s is rejected then."""
+        """Never generate under an older policy than the fleet committed or the prompts were admitted
+        at: a restarted actor waits here while the controller replays the steps it missed. The wait
+        for a message's version is bounded, since it holds the only consumer loop: a version the
+        controller has not committed (a hostile message, or an old run's on a reused run name and
+        redis.url) is rejected at once, and one not reached within flow.rpc_timeout_s of the actor
+        being caught up is rejected then."""
         want = int(batch.version)
         deadline = time.monotonic() + self.cfg.flow.rpc_timeout_s
         checked = 0.0
-        while self.version < want:
+        while not (self.t.caught_up and self.version >= want):
             now = time.monotonic()
             if now - checked >= 1.0:
                 checked = now
@@ -173,7 +174,9 @@ class Actor:
                 if want > max(committed, self.version):
                     raise Rejected("version_ahead", f"PromptBatch {batch.batch_id[:40]!r}: version {want} is ahead"
                                                     f" of the run's committed version {committed}")
-            if now > deadline:
+            if not self.t.caught_up:
+                deadline = now + self.cfg.flow.rpc_timeout_s  # replay runs: only a version past it times out
+            elif now > deadline:
                 raise Rejected("version_timeout", f"PromptBatch {batch.batch_id[:40]!r}: version {want} not"
                                                   f" reached within {self.cfg.flow.rpc_timeout_s:g} s (at"
                                                   f" {self.version})")
@@ -280,7 +283,7 @@ class Actor:
                     sent = await self.outbox.flush(self._publish_raw)
                     if sent:
                         log.info("outbox flushed", extra={"sent": sent, "left": self.outbox.pending()})
-                self.t.target_version = (await self.bus.get_versions()).get("actor", 0)
+                await self.t.follow_committed(self.bus)
             except BusUnavailable:
                 pass
             await asyncio.sleep(1.0)

@@ -13,12 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.core.ids import prompt_batch_of
 from services.rl.batch import Rollout
-
-
-def prompt_batch_of(rollout_id: str) -> str:
-    """Rollout ids are `<prompt batch id>:<generation nonce>`."""
-    return rollout_id.split(":", 1)[0]
 
 
 @dataclass

@@ -529,7 +529,8 @@ class RunConfig(_Strict):
 
     @property
     def admission_window(self) -> int:
-        """Tasks the controller may have in flight: (max_staleness + 1) x samples_per_step."""
+        """The most tasks in flight (admitted, not yet trained or dead): the staleness budget. With
+        `flow.max_staleness` n, generation may run up to n steps ahead of training."""
         return (self.flow.max_staleness + 1) * self.samples_per_step
 
     def stages(self) -> list[ServiceName]:

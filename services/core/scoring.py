@@ -76,6 +76,8 @@ class ScoringService:
         assert self.bus is not None
         rb = parse_message(pb.RolloutBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
         rollout = validate_rollout_batch(rb, self.cfg.flow.max_message_bytes, self.limits)
+        if self.trainable is not None:
+            await self.trainable.until_caught_up()  # a restarted critic scores nothing until replayed
         t0 = time.perf_counter()
         with self.metrics.time_stage(self.stage):
             async with self.model_lock:
@@ -107,7 +109,7 @@ class ScoringService:
         assert self.bus is not None and self.trainable is not None
         while True:
             try:
-                self.trainable.target_version = (await self.bus.get_versions()).get(self.stage, 0)
+                await self.trainable.follow_committed(self.bus)
             except BusUnavailable:
                 pass
             await asyncio.sleep(1.0)

@@ -1,5 +1,5 @@
 """What the actor and the critic share as trainable services: a version that never goes backwards,
-checkpoints on a cadence and on drain, catching up to the controller's acknowledged version, the
+checkpoints on a cadence and on drain, catching up to the controller's committed version, the
 Train protocol, and loading weights from a checkpoint path (UpdateWeights).
 
 A restarted service reloads its latest checkpoint; the controller notices its version is behind
@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from services.core.bus import Bus
 from services.core.config import RunConfig
 from services.core.limits import Limits
 from services.core.pb import rlfleet_pb2 as pb
@@ -67,8 +68,10 @@ class Trainable:
         self.version = 0
         self.step = 0
         self.checkpoint_version = 0
-        # The version the controller has acknowledged (published in Redis); ready only at it.
-        self.target_version = 0
+        # The version the controller has committed for this service (published in Redis). None
+        # until first read: a replacement does not know how far behind its checkpoint is, so it
+        # neither reports ready nor serves until it has been replayed up to it.
+        self.target_version: int | None = None
         self.lock = asyncio.Lock()  # one Train (or checkpoint) at a time
 
     def restore(self) -> int:
@@ -178,14 +181,26 @@ class Trainable:
         log.info("weights loaded", extra={"service": self.service, "version": version, "path": str(path)})
         return step
 
-    # -- readiness -----------------------------------------------------------------------------------
+    # -- catch-up gate: a restarted service serves nothing older than the fleet committed ------------
+    async def follow_committed(self, bus: Bus) -> None:
+        """Read the fleet's committed version for this service (raises BusUnavailable)."""
+        self.target_version = (await bus.get_versions()).get(self.service, 0)
+
     @property
     def caught_up(self) -> bool:
-        return self.version >= self.target_version
+        return self.target_version is not None and self.version >= self.target_version
+
+    async def until_caught_up(self, at_least: int = 0) -> None:
+        """Hold a consumer until the controller has replayed this service up to the committed
+        version, and to `at_least` (the version a message was admitted at)."""
+        while not (self.caught_up and self.version >= at_least):
+            await asyncio.sleep(0.05)
 
     def readiness_reason(self) -> str | None:
         if self.caught_up:
             return None
+        if self.target_version is None:
+            return f"catching up: at version {self.version}, fleet's committed version not read yet"
         return f"catching up: at version {self.version}, fleet at {self.target_version}"
 
 

@@ -1,0 +1,86 @@
+"""Admission: which prompt message enters the run next, and the PromptBatch that carries it.
+
+The staleness budget bounds the run: at most `cfg.admission_window` tasks are in flight, so
+generation runs at most `flow.max_staleness` steps ahead of training. A batch is stamped with the
+journal's committed version at the moment it is admitted, under the controller's state lock, which
+a step holds while it commits: admission never stamps a version the controller is leaving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from services.controller.durable import DurableJournal
+from services.core import ids
+from services.core.config import RunConfig
+from services.core.events import EventLog
+from services.core.journal import Journal, JournalFull, TaskSpec
+from services.core.metrics import ServiceMetrics
+from services.core.pb import rlfleet_pb2 as pb
+from services.core.wire import message
+from services.tasks.base import Task
+
+log = logging.getLogger("rlfleet.controller")
+
+
+class Admission:
+    def __init__(self, cfg: RunConfig, journal: Journal, durable: DurableJournal, tokenizer: Any, task: Task,
+                 events: EventLog, metrics: ServiceMetrics) -> None:
+        self.cfg, self.journal, self.durable = cfg, journal, durable
+        self.tokenizer, self.task = tokenizer, task
+        self.events, self.metrics = events, metrics
+        self.open = True
+        # Every step adds exactly one policy version, so the journal's step counter is the version.
+        self.needed = cfg.run.max_steps * cfg.samples_per_step
+
+    def tasks(self, first: int) -> list[TaskSpec]:
+        c = self.cfg
+        return [TaskSpec(tid, i, k, i)
+                for tid, i, k in ids.message_tasks(first, c.batch.prompts_per_message, c.algo.group_size)]
+
+    def prompt_batch(self, first: int) -> pb.PromptBatch:
+        """The message for the prompts starting at `first`, at the journal's committed version."""
+        c = self.cfg
+        g = c.generation
+        stops = sorted({self.tokenizer.eos_token_id, *g.stop_token_ids})
+        sampling = pb.SamplingParams(
+            temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=g.max_new_tokens,
+            stop_token_ids=stops, seed=ids.generation_seed(c.run.seed, first))
+        step = self.journal.step
+        batch = message(pb.PromptBatch, batch_id=ids.batch_id(first), version=step, sampling=sampling, step=step)
+        for spec in self.tasks(first):
+            text = self.task.prompt(spec.dataset_index).text
+            token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            batch.prompts.add(task_id=spec.task_id, token_ids=token_ids, dataset_index=spec.dataset_index,
+                              sample_index=spec.sample_index, group_id=spec.group_id)
+        return batch
+
+    async def admit_once(self) -> pb.PromptBatch | None:
+        """Admit one prompt message if the staleness budget allows and journal it; returns the
+        message to publish. Call with the controller's state lock held."""
+        c = self.cfg
+        per_msg = c.batch.prompts_per_message * c.algo.group_size
+        can = self.journal.has_space(c.journal.min_free_bytes) and self.durable.error is None
+        in_flight = self.journal.in_flight()
+        self.metrics.in_flight.set(in_flight)
+        first = self.journal.cursor
+        self.open = can and in_flight + per_msg <= c.admission_window
+        self.metrics.admission_open.set(int(self.open))
+        # Dead tasks never train, so the run admits replacements for them.
+        usable = first * c.algo.group_size - self.journal.counts().get("dead", 0)
+        if not self.open or usable >= self.needed:
+            return None
+        tasks = self.tasks(first)
+        try:
+            await asyncio.to_thread(self.journal.admit, tasks, first + c.batch.prompts_per_message)
+            self.durable.error = None
+        except JournalFull as e:
+            # Not retried in place: admission simply stays closed until a write succeeds again.
+            log.error("journal full; admission stopped until space returns", extra={"error": str(e)[:300]})
+            self.durable.failed(e)
+            await asyncio.sleep(1.0)
+            return None
+        self.events.emit("admitted", task_ids=[t.task_id for t in tasks], cursor=first)
+        return self.prompt_batch(first)

@@ -1,0 +1,94 @@
+"""What a committed step leaves behind besides the journal: its metrics.jsonl row, the gauges
+Prometheus scrapes, the queue depths `rlfleet status` shows, and a `resources` event for the audit.
+After a crash, steps the journal committed but whose row was never written get a row saying so."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from services.core.bus import Bus, BusUnavailable
+from services.core.events import AppendOnlyFile, EventLog
+from services.core.journal import Journal
+from services.core.metrics import ServiceMetrics
+from services.rl import batch as rb
+
+
+class StepRecorder:
+    def __init__(self, metrics_path: Path, metrics: ServiceMetrics, events: EventLog, journal: Journal) -> None:
+        self.path, self.metrics, self.events, self.journal = metrics_path, metrics, events, journal
+        self.file = AppendOnlyFile(metrics_path, fsync=False)  # holds rows, in order, while the disk is full
+        self.last: dict[str, Any] = {}  # headline numbers of the last step, for `rlfleet status`
+        self.queues: dict[str, int] = {}  # stream depths at the last step
+        self.t_last_step = time.perf_counter()
+
+    async def depths(self, bus: Bus) -> dict[str, int]:
+        try:
+            # Fully acknowledged entries are dropped so stream length tracks real backlog; trimming
+            # never passes an entry some group still needs.
+            for stream in (bus.keys.prompts, bus.keys.rollouts, bus.keys.scores):
+                await bus.trim_acked(stream)
+            depths = await bus.stream_depths()
+        except BusUnavailable:
+            return {}
+        for k, v in depths.items():
+            self.metrics.queue_depth.labels(stream=k, group="all").set(v)
+        self.queues = depths
+        return depths
+
+    async def record(self, bus: Bus, *, step: int, version: int, r: rb.Rollout, stats: dict[str, float],
+                     staleness: int, times: dict[str, float]) -> None:
+        """`step` is the committed step (from 1); `times` holds advantage_s and train_s."""
+        now = time.perf_counter()
+        tokens = int(r.response_mask.sum())
+        elapsed = now - self.t_last_step
+        self.t_last_step = now
+        depths = await self.depths(bus)
+        if "reward_mean" not in stats and r.rewards is not None:
+            stats["reward_mean"] = float(r.rewards.float().mean())
+        row = {
+            "step": step, "time": time.time(), "version": version, **stats, "tokens": tokens, "samples": len(r),
+            "tokens_per_s": tokens / elapsed, "samples_per_s": len(r) / elapsed, **times,
+            "step_s": elapsed, "staleness": staleness, **{f"queue_{k}": v for k, v in depths.items()},
+        }
+        self.file.append((json.dumps(row) + "\n").encode())
+        self.last = {k: row[k] for k in ("step", "reward_mean", "tokens_per_s", "staleness", "kl") if k in row}
+        m = self.metrics
+        m.policy_version.set(version)
+        m.staleness.set(staleness)
+        if "reward_mean" in stats:
+            m.reward_mean.set(stats["reward_mean"])
+        if "kl" in stats:
+            m.kl.set(stats["kl"])
+        m.loss.labels(kind="policy").set(stats.get("policy_loss", 0.0))
+        m.samples.labels(phase="train").inc(len(r))
+        m.tokens.labels(phase="train").inc(tokens)
+        m.stage_latency.labels(stage="step").observe(elapsed)
+        self.events.emit("resources", queue_depths=depths, rss_bytes=_rss_bytes(), disk_bytes=self.journal.usage())
+
+    def close(self) -> None:
+        self.file.close()
+
+    def backfill(self) -> None:
+        """metrics.jsonl keeps one row per step: a step committed to the journal just before a
+        crash, whose row was never written, gets a row saying so."""
+        from services.report import read_metrics
+
+        text = self.path.read_text() if self.path.exists() else ""
+        last = max((int(r.get("step", 0)) for r in read_metrics(self.path)), default=0)
+        with self.path.open("a") as f:
+            if text and not text.endswith("\n"):
+                f.write("\n")  # a row torn by the crash stays unreadable instead of gluing onto the next
+            for step in range(last + 1, self.journal.step + 1):
+                f.write(json.dumps({"step": step, "version": step, "recovered": 1.0}) + "\n")
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0

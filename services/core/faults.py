@@ -1,0 +1,41 @@
+"""Named fault points, for tests that must hit one exact moment (a kill between two writes).
+
+Off unless the environment says otherwise. `RLFLEET_FAULT_HOOK=<point>@<step>` makes the process
+that reaches `point` while working on training step `step` pause there: it writes
+`RUN_DIR/faults/<point>@<step>.reached`, then waits (without blocking its event loop, so every
+other loop of the service keeps running into the gap) until a test creates
+`RUN_DIR/faults/<point>@<step>.release`. The test does its damage in between. A point is hit once
+per process; a replacement that gets the same environment passes it (the marker is there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("rlfleet.faults")
+
+ENV = "RLFLEET_FAULT_HOOK"
+
+
+def fault_dir(run_dir: Path) -> Path:
+    return run_dir / "faults"
+
+
+async def fault_point(run_dir: Path, point: str, step: int) -> None:
+    """Pause here when the environment names this point and step; otherwise return at once."""
+    if os.environ.get(ENV) != f"{point}@{step}":
+        return
+    d = fault_dir(run_dir)
+    reached = d / f"{point}@{step}.reached"
+    if reached.exists():
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    reached.write_text(str(os.getpid()))
+    log.warning("fault point reached; paused until released", extra={"point": point, "step": step})
+    release = d / f"{point}@{step}.release"
+    while not release.exists():
+        await asyncio.sleep(0.05)
+    log.warning("fault point released", extra={"point": point, "step": step})
