@@ -76,3 +76,18 @@ def pid_alive(pid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def commit_steps(journal: Any, steps: int) -> None:
+    """Move a journal to step `steps` the way the controller does: each step admits one task, which
+    is generated, scored by every stage and trained."""
+    from services.core.ids import task_id
+    from services.core.journal import TaskSpec
+
+    for step in range(journal.step + 1, steps + 1):
+        tid = task_id(step - 1, 0)
+        journal.admit([TaskSpec(tid, step - 1, 0, step - 1)], step)
+        journal.mark_generated([tid], step - 1, f"b{step - 1}")
+        for stage in sorted(journal.stages):
+            journal.mark_stage_done([tid], stage)
+        journal.mark_trained([tid], step, step - 1, 0)

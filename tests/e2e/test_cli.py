@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from services.core.journal import Journal
+from tests.fleet_helpers import commit_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = Path(sys.executable).with_name("rlfleet")
@@ -145,7 +146,7 @@ def test_a_taken_fixed_port_is_refused_naming_service_port_and_holder(tmp_path: 
 def test_up_on_a_finished_run_starts_nothing_and_says_how_to_extend(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = tmp_path / "run"
     journal = Journal.open(run_dir / "journal")
-    journal.set_step(2)
+    commit_steps(journal, 2)
     journal.close()
     cfg = write_config(tmp_path / "c.yaml", run_dir, models={"policy": {"path": str(tiny_model)}})
     p = rlfleet("up", "--config", str(cfg))
@@ -157,7 +158,7 @@ def test_up_on_a_finished_run_starts_nothing_and_says_how_to_extend(tmp_path: Pa
 def test_up_on_a_run_with_steps_left_says_it_resumes_from_the_journals_step(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = tmp_path / "run"
     journal = Journal.open(run_dir / "journal")
-    journal.set_step(1)
+    commit_steps(journal, 1)
     journal.close()
     cfg = write_config(tmp_path / "c.yaml", run_dir, models={"policy": {"path": str(tiny_model)}})
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")

@@ -22,7 +22,7 @@ from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.trainable import Trainable
 from services.core.wire import message
-from tests.fleet_helpers import tiny_config
+from tests.fleet_helpers import commit_steps, tiny_config
 
 
 class _GatedActor(pb_grpc.ActorServicer):
@@ -66,7 +66,7 @@ def world(tmp_path: Path, tiny_model: Path) -> Iterator[Any]:
     journal = Journal.open(cfg.journal_dir, stages=("reward",), trainable=("actor",))
     for step in range(1, 5):
         journal.put_batch(step, _batch(step))
-    journal.set_step(4)
+    commit_steps(journal, 4)
     events = EventLog(cfg.run_dir / "events.jsonl")
     side = Trainables(cfg, ["actor"], journal, events, committed=lambda: journal.step)
     try:

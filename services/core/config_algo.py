@@ -1,0 +1,101 @@
+"""The `algo` section: the RL algorithm, its loss and its defaults per algorithm."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from services.core.config_base import Strict as _Strict
+
+AlgoName = Literal["ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+KLName = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+# Algorithms that compare each response with the others sampled for its prompt.
+GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp_baseline")
+# What each algorithm means beyond its advantage estimator, as published; a field the user sets wins.
+ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Dr. GRPO (Liu et al. 2025): no std normalisation, constant loss normaliser.
+    "dr_grpo": {"norm_std": False, "loss_agg": "seq_mean_token_sum_norm"},
+    # DAPO (Yu et al. 2025): clip-higher (0.2 / 0.28), token-level loss, soft overlong punishment.
+    "dapo": {"clip_eps_high": 0.28, "loss_agg": "token_mean"},
+    # GSPO (Zheng et al. 2025): sequence-level ratio, clipped at 3e-4 / 4e-4, sequence-mean loss.
+    "gspo": {"clip_eps": 3e-4, "clip_eps_high": 4e-4, "loss_agg": "seq_mean_token_mean"},
+}
+
+
+class AlgoSection(_Strict):
+    name: AlgoName = "grpo"
+    """Advantage estimator and objective; `dr_grpo`, `dapo` and `gspo` also change the defaults of
+    the fields named in ALGO_DEFAULTS."""
+    group_size: Annotated[int, Field(ge=1)] = 8
+    kl_coef: Annotated[float, Field(ge=0)] = 0.0
+    kl_estimator: KLName = "k3"
+    """KL estimator of the KL-in-loss penalty (`kl_in: loss`)."""
+    kl_estimator_reward: KLName = "k1"
+    """KL estimator subtracted from the reward (`kl_in: reward`); k1 as verl's default."""
+    kl_clamp: Annotated[float, Field(gt=0)] | None = 10.0
+    """Bound on each token's KL estimate (verl, OpenRLHF: 10); null leaves it unbounded."""
+    kl_in: Literal["reward", "loss"] = "loss"
+    clip_eps: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    clip_eps_high: Annotated[float, Field(gt=0, lt=10)] | None = None
+    dual_clip_c: Annotated[float, Field(gt=1)] | None = None
+    """Dual-clip PPO (Ye et al. 2020): the loss of a negative-advantage token is at most -c * A."""
+    value_clip: Annotated[float, Field(gt=0)] = 0.2
+    gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
+    lam: Annotated[float, Field(ge=0, le=1)] = 0.95
+    norm_std: bool | None = None
+    """Divide group advantages by the group's std (GRPO); null means the algorithm's own choice
+    (off for dr_grpo, on otherwise)."""
+    loss_agg: LossAgg = "token_mean"
+    loss_norm_len: Annotated[int, Field(ge=1)] | None = None
+    """Constant divisor of `seq_mean_token_sum_norm`; null means generation.max_new_tokens."""
+    overlong_buffer_len: Annotated[int, Field(ge=1)] | None = None
+    """DAPO's overlong window: responses longer than max_new_tokens - this many tokens lose reward
+    linearly, up to `overlong_penalty_factor` at max_new_tokens. null: off (dapo: a quarter of the
+    generation budget)."""
+    overlong_penalty_factor: Annotated[float, Field(ge=0)] = 1.0
+    entropy_coef: Annotated[float, Field(ge=0)] = 0.0
+    ppo_epochs: Annotated[int, Field(ge=1)] = 1
+    minibatch_size: Annotated[int, Field(ge=1)] = 32
+    # Sequences per forward pass of the trainers (gradients accumulate over them, one optimizer step
+    # per minibatch) and of the reference and critic scorers; 0 means a whole minibatch or message
+    # at once. Bounds the [micro, tokens, vocab] log-prob tensors on large vocabularies.
+    micro_batch_size: Annotated[int, Field(ge=0)] = 0
+    lr: Annotated[float, Field(gt=0)] = 1e-4
+    critic_lr: Annotated[float, Field(gt=0)] = 1e-3
+    max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
+    # Decoupled PPO: clip against the proximal (current pre-update) policy and weight by
+    # exp(proximal - behaviour), which keeps off-policy batches (max_staleness > 0) stable.
+    decoupled: bool = True
+    behaviour_weight_cap: Annotated[float, Field(gt=1)] = 5.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            defaults = ALGO_DEFAULTS.get(str(data.get("name", "grpo")), {})
+            data = {**defaults, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _groups(self) -> AlgoSection:
+        if self.name in GROUP_ALGOS and self.group_size < 2:
+            raise ValueError(f"{self.name} needs group_size >= 2 (got {self.group_size})")
+        return self
+
+    @property
+    def group_norm_std(self) -> bool:
+        return self.norm_std if self.norm_std is not None else self.name != "dr_grpo"
+
+    @property
+    def ratio_level(self) -> Literal["token", "sequence"]:
+        return "sequence" if self.name == "gspo" else "token"
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.name == "ppo"
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0

@@ -1,0 +1,13 @@
+"""What every config section is built on: the strict base model and the error a bad config raises."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field and what is allowed."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
