@@ -8,12 +8,11 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_never, wait_exponential
-
 from services.core.bus import Bus, BusUnavailable, Message
 from services.core.codec import WireError
 from services.core.lmdb_store import StoreFull
 from services.core.metrics import ServiceMetrics
+from services.core.retry import Policy
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -32,6 +31,9 @@ Handler = Callable[[Message], Awaitable[None]]
 # dependency is back (counting them as failed deliveries would dead-letter good work during an
 # outage). If the worker is stopped meanwhile, the message stays pending for a replacement.
 TRANSIENT = (BusUnavailable, StoreFull)  # StoreFull: the journal's or the outbox's disk is full
+# Every wait of the worker: for as long as the outage lasts (the work is durable; giving up would only
+# crash the service). Waits that hold a message also end when the worker stops: it stays pending.
+UNTIL_BACK = Policy(retry_on=TRANSIENT)
 
 
 def rejection_reason(err: BaseException) -> str | None:
@@ -76,33 +78,21 @@ class StreamWorker:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
-    def _backoff(self, *, interruptible: bool) -> AsyncRetrying:
-        """One retry policy for every Redis wait of the worker: exponential backoff from 0.2 s to
-        5 s, for as long as it takes (the work is durable; giving up would only crash the service).
-        An interruptible wait also ends when the worker is stopped: what it held stays pending."""
-        return AsyncRetrying(
-            retry=retry_if_exception_type(TRANSIENT),
-            wait=wait_exponential(multiplier=0.2, min=0.2, max=5.0),
-            stop=(lambda _: self._stop.is_set()) if interruptible else stop_never,
-            sleep=self._sleep if interruptible else asyncio.sleep,
-            before_sleep=self._on_transient,
-            reraise=True,
-        )
-
-    def _on_transient(self, state: RetryCallState) -> None:
-        err = state.outcome.exception() if state.outcome is not None else None
+    def _on_transient(self, err: BaseException) -> None:
         self.redis_ok = not isinstance(err, BusUnavailable)
-        log.warning("dependency unavailable; retrying", extra={"stream": self.stream, "error": str(err)[:300]})
+
+    async def _read(self) -> list[Message]:
+        if self.gate is not None:
+            await self.gate()
+        if self._stop.is_set():
+            return []
+        return await self.bus.read(self.stream, self.group, self.consumer, self.count, self.block_ms)
 
     async def run(self) -> None:
         while not self._stop.is_set():
             try:
-                async for attempt in self._backoff(interruptible=True):
-                    with attempt:
-                        if self.gate is not None:
-                            await self.gate()
-                        msgs = [] if self._stop.is_set() else await self.bus.read(
-                            self.stream, self.group, self.consumer, self.count, self.block_ms)
+                msgs = await UNTIL_BACK.call(self._read, what=f"read {self.stream}", stop=self._stop,
+                                             on_retry=self._on_transient)
             except TRANSIENT:
                 break  # stopped while Redis was away
             self.redis_ok = True
@@ -115,9 +105,8 @@ class StreamWorker:
             try:
                 # "Not now" failures are retried in place; if the worker is stopped meanwhile, the
                 # message stays pending for a replacement.
-                async for attempt in self._backoff(interruptible=True):
-                    with attempt:
-                        await self.handle(msg)
+                await UNTIL_BACK.call(lambda: self.handle(msg), what=f"handle {self.stream}", stop=self._stop,
+                                      on_retry=self._on_transient)
             except TRANSIENT:
                 return
             except Exception as err:
@@ -130,25 +119,15 @@ class StreamWorker:
                 }, exc_info=not isinstance(err, WireError | Rejected))
                 self.metrics.dead_letters.labels(reason=reason).inc()
                 why = f"{reason}: {err}"
-                await self._retrying(lambda: self.bus.dead_letter(msg, self.group, why))
+                await UNTIL_BACK.call(lambda: self.bus.dead_letter(msg, self.group, why), what="dead-letter",
+                                      on_retry=self._on_transient)
                 return
-            await self._retrying(lambda: self.bus.ack(msg, self.group))
+            # The result is already durable: an ack lost to an outage is retried even while stopping,
+            # and if we die first the entry is redelivered and deduplicated downstream.
+            await UNTIL_BACK.call(lambda: self.bus.ack(msg, self.group), what="ack", on_retry=self._on_transient)
             self.handled += 1
         finally:
             self.in_flight -= 1
-
-    async def _retrying(self, op: Callable[[], Awaitable[object]]) -> None:
-        """The result is already durable; an ack lost to an outage is retried even while stopping,
-        and if we die first the entry is redelivered and deduplicated downstream."""
-        async for attempt in self._backoff(interruptible=False):
-            with attempt:
-                await op()
-
-    async def _sleep(self, s: float) -> None:
-        try:
-            await asyncio.wait_for(self._stop.wait(), timeout=s)
-        except TimeoutError:
-            pass
 
     async def drain(self, timeout_s: float = 60.0) -> None:
         self.stop()
