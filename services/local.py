@@ -25,6 +25,7 @@ from services.reward.scorer import RewardScorer
 from services.rl import batch as rb
 from services.rl.pipeline import compute_advantages
 from services.rl.trainer import PolicyTrainer, ValueTrainer
+from services.tasks import chat
 from services.tasks.base import Task
 
 log = logging.getLogger("rlfleet.local")
@@ -40,7 +41,7 @@ def sampling_params(cfg: RunConfig, tokenizer, seed: int) -> SamplingParams:  # 
 
 
 def encode_prompts(task: Task, tokenizer, indices: list[int]) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    return [list(tokenizer(task.prompt(i).text, add_special_tokens=False)["input_ids"]) for i in indices]
+    return chat.encode_prompts(task, tokenizer, indices)
 
 
 def generate_message(
@@ -64,7 +65,7 @@ def evaluate(cfg: RunConfig, engine: GenerationEngine, task: Task, tokenizer, sc
     if n == 0:
         return float("nan")
     texts = [task.eval_prompt(i) for i in range(n)]
-    prompts = [list(tokenizer(p.text, add_special_tokens=False)["input_ids"]) for p in texts]
+    prompts = chat.encode_prompts(task, tokenizer, range(n), held_out=True)
     params = sampling_params(cfg, tokenizer, seed=cfg.run.seed + 4242)
     comps = engine.generate(prompts, params)
     outs = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)

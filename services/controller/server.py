@@ -43,6 +43,8 @@ from services.models.loading import load_tokenizer
 from services.rl import batch as rb
 from services.rl.pipeline import compute_advantages
 from services.tasks import load_task
+from services.tasks.base import PromptError
+from services.tasks.chat import encode_prompt
 
 log = logging.getLogger("rlfleet.controller")
 
@@ -152,16 +154,26 @@ class Controller:
             stop_token_ids=stops, seed=generation_seed(c.run.seed, first))
         batch = message(pb.PromptBatch, batch_id=make_batch_id(first), version=self.version,
                         sampling=sampling, step=self.journal.step)
+        encoded: dict[int, list[int]] = {}
         for spec in self._message_tasks(first):
-            text = self.task.prompt(spec.dataset_index).text
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if spec.dataset_index not in encoded:
+                encoded[spec.dataset_index] = encode_prompt(
+                    self.task, self.tokenizer, self.task.prompt(spec.dataset_index))
+            ids = encoded[spec.dataset_index]
             batch.prompts.add(task_id=spec.task_id, token_ids=ids, dataset_index=spec.dataset_index,
                               sample_index=spec.sample_index, group_id=spec.group_id)
         return batch
 
     async def _publish_prompts(self, first: int) -> None:
         assert self.bus is not None
-        data = self._prompt_batch(first).SerializeToString()
+        try:
+            data = self._prompt_batch(first).SerializeToString()
+        except PromptError as err:
+            # A row that cannot become a prompt: its tasks end dead through the dead path, so
+            # admission replaces them and the run goes on.
+            self.metrics.dead_letters.labels(reason=err.reason).inc()
+            await self.kill_batch(make_batch_id(first), f"{err.reason}: {err}")
+            return
         await self.bus.publish(self.bus.keys.prompts, data, kind="prompts", batch_id=make_batch_id(first))
 
     async def admit_loop(self) -> None:
@@ -401,13 +413,17 @@ class Controller:
             return
         pbid = prompt_batch_of(bid)
         try:
-            first = self._first_of(pbid)
+            self._first_of(pbid)
         except Rejected:
             return
         winner = self.assembler.rollout_id_of(pbid)
         if ":" in bid and winner is not None and winner != bid:
             return  # a duplicate rollout of this batch was rejected; the one that counts is intact
-        ids = [t.task_id for t in self._message_tasks(first)]
+        await self.kill_batch(pbid, reason)
+
+    async def kill_batch(self, pbid: str, reason: str) -> None:
+        """End a prompt batch's unfinished tasks dead with `reason`; admission replaces them."""
+        ids = [t.task_id for t in self._message_tasks(self._first_of(pbid))]
         async with self.state_lock:
             recs = [await asyncio.to_thread(self.journal.get, i) for i in ids]
             # Scored tasks have every result they need; only unfinished ones can die of this.
