@@ -117,8 +117,11 @@ def run_local(
                  for k in range(cfg.batch.prompts_per_step // per_msg)]
         t_gen = time.perf_counter()
         # Score per message, as the scoring services do, then join into the step batch.
+        components: dict[str, list[float]] = {}
         for part in parts:
-            part.rewards = reward.score(part)
+            part.rewards, named = reward.score_with_components(part)
+            for name, values in named.items():
+                components.setdefault(name, []).extend(values.tolist())
             if reference is not None:
                 part.ref_logprobs = reference.score(part)
             if critic is not None:
@@ -146,6 +149,8 @@ def run_local(
             "generate_s": t_gen - t0, "score_s": t_score - t_gen, "train_s": t_end - t_score,
             "step_s": t_end - t0,
         }
+        if len(components) > 1:  # as the controller records them
+            row.update({f"reward/{n}": sum(v) / len(v) for n, v in sorted(components.items())})
         last = step + 1 == cfg.run.max_steps
         if last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
             row["eval_reward"] = evaluate(cfg, engine, task, tok, reward)
