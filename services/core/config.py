@@ -198,6 +198,19 @@ class ModelSpec(_Strict):
     # Recompute activations in the backward pass of the trainers: less memory, about a third more compute.
     gradient_checkpointing: bool = False
 
+    @field_validator("gguf_file")
+    @classmethod
+    def _env_in_gguf_file(cls, v: str | None) -> str | None:
+        # `${NAME}` takes the path from the environment, so a shipped example can point at a file
+        # whose place depends on the install (examples/smollm2-arithmetic.yaml).
+        if v is None:
+            return v
+        for name in re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", v):
+            if not os.environ.get(name):
+                raise ValueError(f"{v!r} names the environment variable {name}, which is not set")
+            v = v.replace("${" + name + "}", os.environ[name])
+        return v
+
     @model_validator(mode="after")
     def _path_or_build(self) -> ModelSpec:
         if self.path is None and self.build is None and self.gguf_file is None:
