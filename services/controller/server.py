@@ -641,7 +641,7 @@ def reward_names(task: Any, cfg: RunConfig) -> frozenset[str]:
     """The reward components a ScoreBatch may carry: the configured rewards when there are several."""
     if cfg.models.reward is not None or not hasattr(task, "reward_set"):
         return frozenset()
-    names = task.reward_set().names()
+    names = list(task.reward_set().names)
     return frozenset(names) if len(names) > 1 else frozenset()
 
 
