@@ -103,5 +103,6 @@ def test_gguf_file_takes_environment_variables_and_an_unset_one_is_named(monkeyp
     cfg = parse_config({"models": {"policy": {"gguf_file": "${RLF_GGUF_DIR}/m.gguf"}}})
     assert cfg.models.policy.gguf_file == "/opt/models/m.gguf"
     monkeypatch.delenv("RLF_GGUF_DIR")
-    with pytest.raises(ConfigError, match=r"models\.policy\.gguf_file.*environment variable RLF_GGUF_DIR, which is not set"):
+    unset = r"models\.policy\.gguf_file.*environment variable RLF_GGUF_DIR, which is not set"
+    with pytest.raises(ConfigError, match=unset):
         parse_config({"models": {"policy": {"gguf_file": "${RLF_GGUF_DIR}/m.gguf"}}})
