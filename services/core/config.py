@@ -198,6 +198,11 @@ class ModelSpec(_Strict):
     # Recompute activations in the backward pass of the trainers: less memory, about a third more compute.
     gradient_checkpointing: bool = False
 
+    @field_validator("path")
+    @classmethod
+    def _absolute_path(cls, v: str | None) -> str | None:
+        return None if v is None else _absolute(v)
+
     @field_validator("gguf_file")
     @classmethod
     def _env_in_gguf_file(cls, v: str | None) -> str | None:
@@ -209,7 +214,7 @@ class ModelSpec(_Strict):
             if not os.environ.get(name):
                 raise ValueError(f"{v!r} names the environment variable {name}, which is not set")
             v = v.replace("${" + name + "}", os.environ[name])
-        return v
+        return _absolute(v)
 
     @model_validator(mode="after")
     def _path_or_build(self) -> ModelSpec:
