@@ -18,6 +18,7 @@ from services.core.journal import Journal
 from services.models.loading import load_tokenizer
 from services.report import read_metrics
 from tests.byo_helpers import (
+    RLFLEET,
     check_audit,
     check_export_matches_checkpoint,
     check_journaled_prompt,
@@ -95,3 +96,18 @@ def test_a_row_whose_chat_template_fails_ends_dead_with_the_reason_and_the_run_g
         assert "mixed.jsonl" in (t.reason or "") and "the chat template failed" in (t.reason or ""), t.reason
     assert sum(t.state == "trained" for t in tasks) == 2 * 4 * 4  # steps x prompts_per_step x group_size
     check_audit(run_dir)
+
+
+@pytest.mark.timeout(600)
+def test_local_loop_logs_each_reward_component_like_the_fleet(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "examples" / "byo", tmp_path / "examples" / "byo")
+    made = subprocess.run([sys.executable, "examples/byo/make_model.py", "runs/byo-model"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    p = subprocess.run([*RLFLEET, "train", "--local", "--config", "examples/byo/config.yaml", "--max-steps", "2"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr[-2000:]
+    metrics = read_metrics(tmp_path / "runs" / "byo" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert math.isclose(m["reward_mean"], m["reward/correct"] + 0.1 * m["reward/brevity"], abs_tol=1e-5)
