@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from services.controller.assembler import StepAssembler, prompt_batch_of
+from services.controller.components import ComponentMeans, reward_names
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
 from services.core.events import AppendOnlyFile, EventLog
@@ -32,7 +33,6 @@ from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.run_binding import open_run_journal
 from services.core.runtime import ServiceRuntime, make_channel, rpc
 from services.core.wire import (
-    Scores,
     check_schema_version,
     message,
     parse_message,
@@ -61,8 +61,7 @@ class Controller:
         self.tokenizer = load_tokenizer(Path(cfg.models.policy.path))
         self.stages = cfg.stages()
         self.limits = dataclasses.replace(Limits.for_run(cfg), reward_names=reward_names(self.task, cfg))
-        # Task id -> each reward component's value, until its step records their means.
-        self.reward_parts: dict[str, dict[str, float]] = {}
+        self.reward_parts = ComponentMeans()
         self.trainable = ["actor", "critic"] if cfg.algo.needs_critic else ["actor"]
         run_dir = cfg.run_dir
         self.journal = open_run_journal(cfg, stages=tuple(self.stages), trainable=tuple(self.trainable))
@@ -257,23 +256,12 @@ class Controller:
                                   limits=self.limits)
         if not await self.durable(self.journal.put_result_if_absent, sb.batch_id, sb.stage, msg.data):
             return  # a redelivered score: already counted once
-        self._keep_components(scores)
+        self.reward_parts.keep(scores)
         if self.assembler.add_score(sb.batch_id, sb.stage, scores.tensor):
             pbid = prompt_batch_of(sb.batch_id)
             self.progress[pbid] = time.monotonic()
             if self.assembler.rollout_id_of(pbid) == sb.batch_id:
                 await self._sync_states(pbid)
-
-    def _keep_components(self, scores: Scores) -> None:
-        for name, values in scores.components.items():
-            for tid, v in zip(scores.task_ids, values.tolist(), strict=True):
-                self.reward_parts.setdefault(tid, {})[name] = float(v)
-
-    def _component_means(self, task_ids: list[str]) -> dict[str, float]:
-        """`reward/<name>`: each component's mean over the step's rows (several rewards only)."""
-        rows = [p for p in (self.reward_parts.pop(t, None) for t in task_ids) if p]
-        names = sorted({n for p in rows for n in p})
-        return {f"reward/{n}": sum(p[n] for p in rows if n in p) / sum(n in p for p in rows) for n in names}
 
     async def _sync_states(self, pbid: str) -> None:
         """Bring the journal's task states up to what the join knows (generated once the rollout
@@ -521,7 +509,7 @@ class Controller:
         depths = await self._depths()
         if "reward_mean" not in stats and r.rewards is not None:
             stats["reward_mean"] = float(r.rewards.float().mean())
-        stats.update(self._component_means(r.task_ids))
+        stats.update(self.reward_parts.take(r.task_ids))
         row = {
             "step": step + 1, "time": time.time(), "version": self.version, **stats, "tokens": tokens,
             "samples": len(r),
@@ -599,7 +587,7 @@ class Controller:
                 if s_raw is not None:
                     sb = parse_message(pb.ScoreBatch, s_raw, max_bytes=self.cfg.flow.max_message_bytes)
                     scores = score_from_proto(sb, max_bytes=self.cfg.flow.max_message_bytes)
-                    self._keep_components(scores)
+                    self.reward_parts.keep(scores)
                     self.assembler.add_score(rbm.batch_id, stage, scores.tensor)
             await self._sync_states(pbid)
         if batches:
@@ -635,14 +623,6 @@ class Controller:
             t.result()  # a crashed consumer or admission loop fails the controller fast
         log.info("run finished", extra={"steps": self.journal.step})
         # Returning from main drains the service and exits 0: the launcher reads that as "done".
-
-
-def reward_names(task: Any, cfg: RunConfig) -> frozenset[str]:
-    """The reward components a ScoreBatch may carry: the configured rewards when there are several."""
-    if cfg.models.reward is not None or not hasattr(task, "reward_set"):
-        return frozenset()
-    names = list(task.reward_set().names)
-    return frozenset(names) if len(names) > 1 else frozenset()
 
 
 def _rss_bytes() -> int:
