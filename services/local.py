@@ -25,6 +25,7 @@ from services.reward.scorer import RewardScorer
 from services.rl import batch as rb
 from services.rl.pipeline import compute_advantages
 from services.rl.trainer import PolicyTrainer, ValueTrainer
+from services.tasks import chat
 from services.tasks.base import Task
 
 log = logging.getLogger("rlfleet.local")
@@ -40,7 +41,7 @@ def sampling_params(cfg: RunConfig, tokenizer, seed: int) -> SamplingParams:  # 
 
 
 def encode_prompts(task: Task, tokenizer, indices: list[int]) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    return [list(tokenizer(task.prompt(i).text, add_special_tokens=False)["input_ids"]) for i in indices]
+    return chat.encode_prompts(task, tokenizer, indices)
 
 
 def generate_message(
@@ -64,7 +65,7 @@ def evaluate(cfg: RunConfig, engine: GenerationEngine, task: Task, tokenizer, sc
     if n == 0:
         return float("nan")
     texts = [task.eval_prompt(i) for i in range(n)]
-    prompts = [list(tokenizer(p.text, add_special_tokens=False)["input_ids"]) for p in texts]
+    prompts = chat.encode_prompts(task, tokenizer, range(n), held_out=True)
     params = sampling_params(cfg, tokenizer, seed=cfg.run.seed + 4242)
     comps = engine.generate(prompts, params)
     outs = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
@@ -116,8 +117,11 @@ def run_local(
                  for k in range(cfg.batch.prompts_per_step // per_msg)]
         t_gen = time.perf_counter()
         # Score per message, as the scoring services do, then join into the step batch.
+        components: dict[str, list[float]] = {}
         for part in parts:
-            part.rewards = reward.score(part)
+            part.rewards, named = reward.score_with_components(part)
+            for name, values in named.items():
+                components.setdefault(name, []).extend(values.tolist())
             if reference is not None:
                 part.ref_logprobs = reference.score(part)
             if critic is not None:
@@ -145,6 +149,8 @@ def run_local(
             "generate_s": t_gen - t0, "score_s": t_score - t_gen, "train_s": t_end - t_score,
             "step_s": t_end - t0,
         }
+        if len(components) > 1:  # as the controller records them
+            row.update({f"reward/{n}": sum(v) / len(v) for n, v in sorted(components.items())})
         last = step + 1 == cfg.run.max_steps
         if last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
             row["eval_reward"] = evaluate(cfg, engine, task, tok, reward)

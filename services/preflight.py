@@ -103,6 +103,10 @@ def _model_dir(spec: ModelSpec, role: str, run_dir: Path) -> Path | None:
     path = Path(spec.path) if spec.path is not None else run_dir / "models" / role
     field = f"models.{role}.path"
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        if spec.gguf_file is not None:  # dequantized into `path` at start-up
+            if not Path(spec.gguf_file).is_file():
+                raise PreflightError(f"models.{role}.gguf_file: {spec.gguf_file} does not exist")
+            return None
         if spec.build is not None:
             return None
         state = "is empty" if path.exists() else "does not exist"

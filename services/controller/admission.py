@@ -20,9 +20,19 @@ from services.core.journal import Journal, JournalFull, TaskSpec
 from services.core.metrics import ServiceMetrics
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.wire import message
-from services.tasks.base import Task
+from services.tasks.base import PromptError, Task
+from services.tasks.chat import encode_prompt
 
 log = logging.getLogger("rlfleet.controller")
+
+
+class BadPrompts(Exception):
+    """A row of the message `batch_id` cannot become a prompt (e.g. its chat template fails): the
+    message's tasks end dead with `reason` and admission replaces them; the run goes on."""
+
+    def __init__(self, batch_id: str, err: PromptError) -> None:
+        super().__init__(str(err))
+        self.batch_id, self.reason = batch_id, f"{err.reason}: {err}"
 
 
 class Admission:
@@ -41,7 +51,8 @@ class Admission:
                 for tid, i, k in ids.message_tasks(first, c.batch.prompts_per_message, c.algo.group_size)]
 
     def prompt_batch(self, first: int) -> pb.PromptBatch:
-        """The message for the prompts starting at `first`, at the journal's committed version."""
+        """The message for the prompts starting at `first`, at the journal's committed version; its
+        prompts rendered through the chat template exactly as the journal will record them."""
         c = self.cfg
         g = c.generation
         stops = sorted({self.tokenizer.eos_token_id, *g.stop_token_ids})
@@ -50,9 +61,15 @@ class Admission:
             stop_token_ids=stops, seed=ids.generation_seed(c.run.seed, first))
         step = self.journal.step
         batch = message(pb.PromptBatch, batch_id=ids.batch_id(first), version=step, sampling=sampling, step=step)
+        encoded: dict[int, list[int]] = {}
         for spec in self.tasks(first):
-            text = self.task.prompt(spec.dataset_index).text
-            token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if spec.dataset_index not in encoded:
+                try:
+                    encoded[spec.dataset_index] = encode_prompt(self.task, self.tokenizer,
+                                                                self.task.prompt(spec.dataset_index))
+                except PromptError as err:
+                    raise BadPrompts(batch.batch_id, err) from err
+            token_ids = encoded[spec.dataset_index]
             batch.prompts.add(task_id=spec.task_id, token_ids=token_ids, dataset_index=spec.dataset_index,
                               sample_index=spec.sample_index, group_id=spec.group_id)
         return batch

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from services.controller.admission import Admission
+from services.controller import recovery
+from services.controller.admission import Admission, BadPrompts
 from services.controller.assembler import StepAssembler
+from services.controller.components import ComponentMeans, reward_names
 from services.controller.durable import DurableJournal
 from services.controller.recording import StepRecorder
+from services.controller.recovery import ROLLOUT
 from services.controller.trainables import Trainables
 from services.core import ids
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
@@ -50,7 +54,6 @@ from services.tasks import load_task
 
 log = logging.getLogger("rlfleet.controller")
 
-ROLLOUT = "rollout"  # journal result stage under which the winning rollout of a prompt batch is kept
 
 # The journal already holds what is being published: keep trying until Redis answers.
 UNTIL_REDIS = Policy(retry_on=(BusUnavailable,), initial_s=0.2, max_s=5.0)
@@ -69,7 +72,9 @@ class Controller:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(Path(cfg.models.policy.path))
         self.stages = cfg.stages()
-        self.limits = Limits.for_run(cfg)
+        task = load_task(cfg.task)
+        self.limits = dataclasses.replace(Limits.for_run(cfg), reward_names=reward_names(task, cfg))
+        self.reward_parts = ComponentMeans()  # each task's reward components until its step is recorded
         self.trainable = ["actor", "critic"] if cfg.algo.needs_critic else ["actor"]
         self.journal = open_run_journal(cfg, stages=tuple(self.stages), trainable=tuple(self.trainable))
         self.durable = DurableJournal(self.journal)
@@ -77,8 +82,7 @@ class Controller:
         self.runtime = ServiceRuntime.from_config(
             cfg, "controller", readiness=self.readiness, status=self.status, on_drain=self.on_drain)
         self.metrics = self.runtime.metrics
-        self.admission = Admission(cfg, self.journal, self.durable, self.tokenizer, load_task(cfg.task),
-                                   self.events, self.metrics)
+        self.admission = Admission(cfg, self.journal, self.durable, self.tokenizer, task, self.events, self.metrics)
         self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step)
         self.trainables = Trainables(cfg, self.trainable, self.journal, self.events, lambda: self.version)
         self.recorder = StepRecorder(cfg.run_dir / "metrics.jsonl", self.metrics, self.events, self.journal)
@@ -154,7 +158,7 @@ class Controller:
         self.recorder.close()
         self.journal.close()
 
-    async def _pause(self, seconds: float) -> None:
+    async def pause(self, seconds: float) -> None:
         """Sleep that a drain cuts short."""
         try:
             await asyncio.wait_for(self.stopping.wait(), timeout=seconds)
@@ -168,21 +172,32 @@ class Controller:
     async def admit_loop(self) -> None:
         while self.running:
             async with self.state_lock:
-                batch = await self.admission.admit_once()
+                try:
+                    batch = await self.admission.admit_once()
+                    failed: BadPrompts | None = None
+                except BadPrompts as bad:
+                    batch, failed = None, bad
                 if batch is not None:
                     self.progress[batch.batch_id] = time.monotonic()
-            if batch is None:
-                await self._pause(0.05)
+            if failed is not None:
+                await self.bad_prompts(failed)
                 continue
-            await self._publish_prompts(batch)
+            if batch is None:
+                await self.pause(0.05)
+                continue
+            await self.publish_prompts(batch)
 
-    async def _publish_prompts(self, batch: pb.PromptBatch) -> None:
+    async def bad_prompts(self, bad: BadPrompts) -> None:
+        self.metrics.dead_letters.labels(reason=bad.reason.split(":", 1)[0][:40]).inc()
+        await self.kill_batch(bad.batch_id, bad.reason)
+
+    async def publish_prompts(self, batch: pb.PromptBatch) -> None:
         assert self.bus is not None
         bus, data = self.bus, batch.SerializeToString()
         await self._publish("publish prompts", lambda: bus.publish(
             bus.keys.prompts, data, kind="prompts", batch_id=batch.batch_id))
 
-    async def _publish_rollout(self, rid: str, data: bytes) -> None:
+    async def publish_rollout(self, rid: str, data: bytes) -> None:
         assert self.bus is not None
         bus = self.bus
         await self._publish("publish rollout", lambda: bus.publish(bus.keys.rollouts, data, kind="rollout",
@@ -204,7 +219,7 @@ class Controller:
             return
         self.assembler.add_rollout(rid, rollout, order=first)
         self.progress[pbid] = time.monotonic()
-        await self._sync_states(pbid)
+        await self.sync_states(pbid)
 
     async def on_score(self, msg: Message) -> None:
         sb = parse_message(pb.ScoreBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
@@ -215,13 +230,14 @@ class Controller:
                                   limits=self.limits)
         if not await self.durable(self.journal.put_result_if_absent, sb.batch_id, sb.stage, msg.data):
             return  # a redelivered score: already counted once
+        self.reward_parts.keep(scores)
         if self.assembler.add_score(sb.batch_id, sb.stage, scores.tensor):
             pbid = ids.prompt_batch_of(sb.batch_id)
             self.progress[pbid] = time.monotonic()
             if self.assembler.rollout_id_of(pbid) == sb.batch_id:
-                await self._sync_states(pbid)
+                await self.sync_states(pbid)
 
-    async def _sync_states(self, pbid: str) -> None:
+    async def sync_states(self, pbid: str) -> None:
         """Bring the journal's task states up to what the join knows (generated once the rollout
         is in, scored once every stage is): idempotent, so it also repairs a crash between a
         result write and its state change."""
@@ -266,7 +282,11 @@ class Controller:
         winner = self.assembler.rollout_id_of(pbid)
         if ids.is_rollout_id(bid) and winner is not None and winner != bid:
             return  # a duplicate rollout of this batch was rejected; the one that counts is intact
-        task_ids = [t.task_id for t in self.admission.tasks(first)]
+        await self.kill_batch(pbid, reason, first)
+
+    async def kill_batch(self, pbid: str, reason: str, first: int | None = None) -> None:
+        """End a prompt batch's unfinished tasks `dead` with `reason`; admission replaces them."""
+        task_ids = [t.task_id for t in self.admission.tasks(_first_of(pbid) if first is None else first)]
         async with self.state_lock:
             recs = [await asyncio.to_thread(self.journal.get, i) for i in task_ids]
             # Scored tasks have every result they need; only unfinished ones can die of this.
@@ -291,7 +311,7 @@ class Controller:
         while self.journal.step < c.run.max_steps and not self.stopping.is_set():
             parts = self.assembler.take_step()
             if parts is None:
-                await self._pause(0.02)
+                await self.pause(0.02)
                 continue
             for rid, _ in parts:
                 self.progress.pop(ids.prompt_batch_of(rid), None)
@@ -313,6 +333,7 @@ class Controller:
         t0 = time.perf_counter()
         r = rb.concat(parts, pad_id=self.tokenizer.pad_token_id)
         stats = compute_advantages(r, self.cfg.algo, self.cfg.generation.max_new_tokens)
+        stats.update(self.reward_parts.take(r.task_ids))
         batch = train_batch_to_proto(r, step=step, batch_id=ids.train_batch_id(step), target_version=step + 1)
         # Journaled before any Train call: a crash from here on resumes exactly this step.
         await self.durable(self.journal.put_batch, step + 1, batch.SerializeToString())
@@ -357,7 +378,7 @@ class Controller:
                 async with self.publish_lock:
                     await self._set_versions()
             await self.trainables.watch_once()
-            await self._pause(1.0)
+            await self.pause(1.0)
 
     async def _set_versions(self) -> None:
         assert self.bus is not None
@@ -370,62 +391,6 @@ class Controller:
             await self._publish("publish versions", self._set_versions)
 
     # -- recover -------------------------------------------------------------------------------------
-    async def watchdog(self) -> None:
-        """Re-publish prompt batches that made no progress for flow.resend_after_s: their prompts
-        when no rollout arrived, else the winning rollout for the stages still missing."""
-        assert self.bus is not None
-        bus, limit = self.bus, self.cfg.flow.resend_after_s
-        while self.running:
-            await self._pause(min(1.0, limit / 4))
-            now = time.monotonic()
-            for pbid, t in list(self.progress.items()):
-                if now - t < limit or not self.running:
-                    continue
-                self.progress[pbid] = now
-                raw = await asyncio.to_thread(self.journal.get_result, pbid, ROLLOUT)
-                # A batch still queued behind a slow consumer is not lost: publishing it again would
-                # only deepen that queue. Lost messages (Redis restarted empty) leave no backlog.
-                stream, groups = ((bus.keys.prompts, ["actor"]) if raw is None
-                                  else (bus.keys.rollouts, self.cfg.stages()))
-                try:
-                    if await bus.backlog(stream, groups) > 0:
-                        continue
-                except BusUnavailable:
-                    pass
-                log.warning("batch stalled; publishing again", extra={"batch_id": pbid, "has_rollout": raw is not None})
-                if raw is None:
-                    async with self.state_lock:
-                        prompts = self.admission.prompt_batch(_first_of(pbid))
-                    await self._publish_prompts(prompts)
-                else:
-                    await self._publish_rollout(self.assembler.rollout_id_of(pbid) or pbid, raw)
-
-    async def reconcile(self) -> None:
-        """Rebuild the in-memory join from the journal and re-enqueue prompt batches whose rollout
-        never arrived; scores already journaled are restored, the rest will be redelivered."""
-        max_bytes, per_msg = self.cfg.flow.max_message_bytes, self.cfg.batch.prompts_per_message
-        pending = await asyncio.to_thread(self.journal.non_terminal)
-        batches: dict[int, list[Any]] = {}
-        for rec in pending:
-            batches.setdefault(ids.first_of_message(rec.dataset_index, per_msg), []).append(rec)
-        for first in sorted(batches):
-            pbid = ids.batch_id(first)
-            self.progress[pbid] = time.monotonic()
-            raw = await asyncio.to_thread(self.journal.get_result, pbid, ROLLOUT)
-            if raw is None:
-                await self._publish_prompts(self.admission.prompt_batch(first))
-                continue
-            rbm = parse_message(pb.RolloutBatch, raw, max_bytes=max_bytes)
-            self.assembler.add_rollout(rbm.batch_id, validate_rollout_batch(rbm, max_bytes), order=first)
-            for stage in self.stages:
-                s_raw = await asyncio.to_thread(self.journal.get_result, rbm.batch_id, stage)
-                if s_raw is not None:
-                    sb = parse_message(pb.ScoreBatch, s_raw, max_bytes=max_bytes)
-                    self.assembler.add_score(rbm.batch_id, stage, score_from_proto(sb, max_bytes=max_bytes).tensor)
-            await self._sync_states(pbid)
-        if batches:
-            log.info("reconciled journal", extra={"non_terminal_tasks": len(pending), "batches": len(batches)})
-
     async def repair_versions(self) -> None:
         """A committed step means every trainable acknowledged its version (Train returned before
         the commit); a crash between the commit's writes may have left an acknowledgement unwritten."""
@@ -446,7 +411,7 @@ class Controller:
         await self.repair_versions()
         self.published = self.version
         await self._set_versions()
-        await self.reconcile()
+        await recovery.reconcile(self)
         self.recorder.backfill()
         self.workers = [
             StreamWorker(self.bus, keys.rollouts, "controller", self.instance, self.on_rollout, self.metrics,
@@ -459,7 +424,7 @@ class Controller:
         self.loops = [asyncio.create_task(w.run(), name=f"consume {w.stream}") for w in self.workers]
         self.loops += [asyncio.create_task(self.admit_loop(), name="admit"),
                        asyncio.create_task(self.sync_loop(), name="sync"),
-                       asyncio.create_task(self.watchdog(), name="watchdog")]
+                       asyncio.create_task(recovery.watchdog(self), name="watchdog")]
         step = asyncio.create_task(self.step_loop(), name="step")
         self.loops.append(step)
         done, _ = await asyncio.wait(self.loops, return_when=asyncio.FIRST_COMPLETED)

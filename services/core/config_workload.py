@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -170,6 +171,24 @@ class ModelSpec(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Recompute activations in the backward pass of the trainers: less memory, about a third more compute.
     gradient_checkpointing: bool = False
+
+    @field_validator("path")
+    @classmethod
+    def _absolute_path(cls, v: str | None) -> str | None:
+        return None if v is None else _absolute(v)
+
+    @field_validator("gguf_file")
+    @classmethod
+    def _env_in_gguf_file(cls, v: str | None) -> str | None:
+        # `${NAME}` takes the path from the environment, so a shipped example can point at a file
+        # whose place depends on the install (examples/smollm2-arithmetic.yaml).
+        if v is None:
+            return v
+        for name in re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", v):
+            if not os.environ.get(name):
+                raise ValueError(f"{v!r} names the environment variable {name}, which is not set")
+            v = v.replace("${" + name + "}", os.environ[name])
+        return _absolute(v)
 
     @model_validator(mode="after")
     def _path_or_build(self) -> ModelSpec:

@@ -41,6 +41,8 @@ class Limits:
     prompts_per_message: int
     samples_per_step: int
     temperature: float
+    # The names of the run's reward components when it has several (task.rewards); else empty.
+    reward_names: frozenset[str] = frozenset()
 
     @property
     def rows_per_message(self) -> int:
@@ -80,6 +82,14 @@ class Limits:
                                 f" below group_size {self.group_size}, dataset index below 2**63)")
             out.append((index, sample))
         return out
+
+    def check_reward_components(self, components: dict[str, torch.Tensor], owner: str) -> None:
+        """Components are the configured rewards, all of them or none."""
+        if components and set(components) != self.reward_names:
+            got = ", ".join(sorted(n[:64] for n in components)[:8])
+            want = ", ".join(sorted(self.reward_names)) or "none (a single reward)"
+            raise WireError("bad_reward_components", f"{owner}: reward_components {got} are not the run's"
+                            f" rewards: {want}")
 
     def check_token_ids(self, t: torch.Tensor, field: str, owner: str) -> None:
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):

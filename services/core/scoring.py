@@ -27,7 +27,8 @@ from services.rl.batch import Rollout
 
 log = logging.getLogger("rlfleet.scoring")
 
-ScoreFn = Callable[[Rollout], torch.Tensor]
+# A stage's scores [B] or [B, R]; the reward stage may also return its named components [B].
+ScoreFn = Callable[[Rollout], torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class ScoringService:
@@ -81,9 +82,10 @@ class ScoringService:
         t0 = time.perf_counter()
         with self.metrics.time_stage(self.stage):
             async with self.model_lock:
-                scores = await asyncio.to_thread(self.score_fn, rollout)
+                result = await asyncio.to_thread(self.score_fn, rollout)
+        scores, parts = result if isinstance(result, tuple) else (result, {})
         out = score_to_proto(rb.batch_id, self.stage, rollout.task_ids, scores, version=self.version(),
-                             score_seconds=time.perf_counter() - t0)
+                             score_seconds=time.perf_counter() - t0, components=parts if len(parts) > 1 else None)
         await self.bus.publish(self.bus.keys.scores, out.SerializeToString(), kind="score",
                                stage=self.stage, batch_id=rb.batch_id)
         self.metrics.samples.labels(phase="score").inc(len(rollout))

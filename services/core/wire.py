@@ -8,8 +8,9 @@ can dead-letter it with `reason` and keep serving.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -194,17 +195,23 @@ class Scores:
     version: int
     tensor: torch.Tensor  # reward: [B] float32; reference / critic: [B, R] float32
     score_seconds: float = 0.0
+    # stage reward with several weighted rewards: each component's unweighted [B] float32 values.
+    components: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def score_to_proto(batch_id: str, stage: str, task_ids: Sequence[str], scores: torch.Tensor, *,
-                   version: int = 0, score_seconds: float = 0.0) -> pb.ScoreBatch:
-    """Encode one stage's output (rewards [B], or ref log-probs / values [B, R]) as float32."""
+                   version: int = 0, score_seconds: float = 0.0,
+                   components: Mapping[str, torch.Tensor] | None = None) -> pb.ScoreBatch:
+    """Encode one stage's output (rewards [B], or ref log-probs / values [B, R]) as float32, with
+    the reward's components [B] when there are several."""
     if stage not in STAGE_FIELDS:
         raise WireError("unknown_stage", f"ScoreBatch {batch_id!r}: unknown stage {stage!r};"
                         f" expected one of {', '.join(STAGE_FIELDS)}")
     msg = message(pb.ScoreBatch, batch_id=batch_id, stage=stage, task_ids=list(task_ids),
                   version=int(version), score_seconds=float(score_seconds))
     tensor_to_proto(scores.float(), getattr(msg, STAGE_FIELDS[stage]))
+    for name, values in (components or {}).items():
+        tensor_to_proto(values.float(), msg.reward_components[name])
     return msg
 
 
@@ -232,14 +239,31 @@ def score_from_proto(msg: pb.ScoreBatch, *, max_bytes: int, expected_stage: str 
     shape: tuple[int | None, ...] = (b,) if msg.stage == "reward" else (b, expected_cols)
     t = _tensor(msg, field, owner, max_bytes=max_bytes, dtype="float32", shape=shape)
     _require_finite(t, field)
+    components = _reward_components(msg, owner, b, max_bytes)
     if limits is not None:
+        limits.check_reward_components(components, owner)
         limits.check_task_ids(msg.task_ids, owner)
         limits.check_version(int(msg.version), f"{owner}: version")
         if t.dim() == 2 and t.shape[1] > limits.max_new_tokens:
             raise WireError("response_too_long", f"{owner}: {field} has {t.shape[1]} columns, more than"
                             f" generation.max_new_tokens {limits.max_new_tokens}")
     return Scores(batch_id=msg.batch_id, stage=msg.stage, task_ids=list(msg.task_ids),
-                  version=int(msg.version), tensor=t, score_seconds=float(msg.score_seconds))
+                  version=int(msg.version), tensor=t, score_seconds=float(msg.score_seconds),
+                  components=components)
+
+
+def _reward_components(msg: pb.ScoreBatch, owner: str, rows: int, max_bytes: int) -> dict[str, torch.Tensor]:
+    if not msg.reward_components:
+        return {}
+    if msg.stage != "reward":
+        raise WireError("unexpected_field", f"{owner}: stage {msg.stage!r} must not set reward_components")
+    out = {}
+    for name, proto in msg.reward_components.items():
+        label = f"reward_components[{name[:64]!r}]"
+        t = tensor_from_proto(proto, max_bytes=max_bytes, expect_dtype="float32", expect_shape=(rows,), name=label)
+        _require_finite(t, label)
+        out[name] = t
+    return out
 
 
 # -- training batches ----------------------------------------------------------------------------

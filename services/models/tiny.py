@@ -30,7 +30,8 @@ from services.models.atomic import MARKER, is_complete, staging_dir
 from services.models.engine import SamplingParams
 from services.models.hf_engine import TransformersEngine
 from services.models.logprobs import position_ids_from_mask
-from services.models.tokenizer import build_tokenizer, decode_completion, encode_prompt
+from services.models.tokenizer import build_tokenizer, decode_completion
+from services.tasks import chat
 from services.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def evaluate(
     engine = TransformersEngine(model, [int(tokenizer.eos_token_id)], int(tokenizer.pad_token_id))
     prompts = [task.eval_prompt(i) for i in range(n)]
     params = SamplingParams(temperature=temperature, max_new_tokens=task.max_new_tokens, seed=seed)
-    completions = engine.generate([encode_prompt(tokenizer, p.text) for p in prompts], params)
+    completions = engine.generate([chat.encode_prompt(task, tokenizer, p) for p in prompts], params)
     rewards = [task.reward(p, decode_completion(tokenizer, c.token_ids)) for p, c in zip(prompts, completions,
                                                                                            strict=True)]
     return sum(rewards) / max(len(rewards), 1)

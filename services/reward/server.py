@@ -17,4 +17,4 @@ def serve(cfg: RunConfig) -> None:
     assert cfg.models.policy.path is not None, "the launcher resolves models.policy.path"
     task = load_task(cfg.task)
     scorer = RewardScorer(task, load_tokenizer(Path(cfg.models.policy.path)), model_path=reward_model_path(cfg))
-    ScoringService(cfg, "reward", scorer.score).run()
+    ScoringService(cfg, "reward", scorer.score_with_components).run()

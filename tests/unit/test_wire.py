@@ -281,3 +281,32 @@ def test_nothing_is_unpickled() -> None:
     assert files, f"no sources under {root}"
     found = [hit for f in files for hit in unpickling_sites(f.read_text(), str(f.relative_to(root.parent)))]
     assert not found, "unpickling in services/:\n" + "\n".join(found)
+
+
+def test_reward_components_round_trip_with_the_total() -> None:
+    parts = {"correct": torch.tensor([1.0, 0.0, 1.0, 0.0]), "format": torch.tensor([0.5, 0.5, 0.0, 1.0])}
+    total = parts["correct"] + 0.2 * parts["format"]
+    msg = score_to_proto("b-1", "reward", [f"t{i}" for i in range(B)], total, components=parts)
+    s = score_from_proto(parse_message(pb.ScoreBatch, msg.SerializeToString(), max_bytes=MB), max_bytes=MB,
+                         expected_stage="reward", expected_rows=B)
+    assert set(s.components) == {"correct", "format"}
+    assert all(torch.equal(s.components[k], v) for k, v in parts.items())
+
+
+@pytest.mark.parametrize(("values", "reason"), [(torch.tensor([1.0, float("nan"), 0.0, 0.0]), "non_finite"),
+                                                (torch.tensor([1.0, 0.0]), "shape_mismatch")])
+def test_bad_reward_component_rejected_naming_it(values: torch.Tensor, reason: str) -> None:
+    msg = score_to_proto("b-1", "reward", [f"t{i}" for i in range(B)], torch.zeros(B),
+                         components={"correct": torch.zeros(B), "format": values})
+    with pytest.raises(WireError) as exc:
+        score_from_proto(msg, max_bytes=MB, expected_stage="reward", expected_rows=B)
+    assert exc.value.reason == reason and "reward_components['format']" in str(exc.value)
+
+
+def test_reward_components_on_another_stage_rejected() -> None:
+    msg = score_to_proto("b-1", "critic", [f"t{i}" for i in range(B)], torch.zeros(B, R))
+    tensor = score_to_proto("b-1", "reward", ["t0"] * B, torch.zeros(B), components={"x": torch.zeros(B)})
+    msg.reward_components["x"].CopyFrom(tensor.reward_components["x"])
+    with pytest.raises(WireError) as exc:
+        score_from_proto(msg, max_bytes=MB, expected_stage="critic", expected_rows=B)
+    assert exc.value.reason == "unexpected_field"

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eservices/core/pb/rlfleet.proto\x12\nrlfleet.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x81\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"k\n\x06Prompt\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rdataset_index\x18\x03 \x01(\x04\x12\x14\n\x0csample_index\x18\x04 \x01(\r\x12\x10\n\x08group_id\x18\x05 \x01(\x04\"\xa9\x01\n\x0bPromptBatch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12#\n\x07prompts\x18\x04 \x03(\x0b\x32\x12.rlfleet.v1.Prompt\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x0c\n\x04step\x18\x06 \x01(\x03\"\xde\x03\n\x0cRolloutBatch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x10\n\x08task_ids\x18\x03 \x03(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12&\n\nprompt_ids\x18\x05 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\'\n\x0bprompt_mask\x18\x06 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12(\n\x0cresponse_ids\x18\x07 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12)\n\rresponse_mask\x18\x08 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12.\n\x12\x62\x65haviour_logprobs\x18\t \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12%\n\tgroup_ids\x18\n \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12,\n\x08sampling\x18\x0b \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x16\n\x0e\x66inish_reasons\x18\x0c \x03(\t\x12\x18\n\x10generate_seconds\x18\r \x01(\x01\x12$\n\x08versions\x18\x0e \x01(\x0b\x32\x12.rlfleet.v1.Tensor\"\xf2\x01\n\nScoreBatch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x10\n\x08task_ids\x18\x04 \x03(\t\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12(\n\x0cref_logprobs\x18\x06 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12#\n\x07rewards\x18\x07 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\"\n\x06values\x18\x08 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x15\n\rscore_seconds\x18\t \x01(\x01\"\xc7\x02\n\nTrainBatch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\t\x12\x16\n\x0etarget_version\x18\x04 \x01(\x03\x12)\n\x07rollout\x18\x05 \x01(\x0b\x32\x18.rlfleet.v1.RolloutBatch\x12&\n\nadvantages\x18\x06 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12#\n\x07returns\x18\x07 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\"\n\x06values\x18\x08 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12(\n\x0cref_logprobs\x18\t \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12#\n\x07rewards\x18\n \x01(\x0b\x32\x12.rlfleet.v1.Tensor\"\xce\x01\n\x0bTrainResult\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x31\n\x05stats\x18\x04 \x03(\x0b\x32\".rlfleet.v1.TrainResult.StatsEntry\x12\x15\n\rtrain_seconds\x18\x05 \x01(\x01\x12\x10\n\x08replayed\x18\x06 \x01(\x08\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"X\n\x14UpdateWeightsRequest\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x03 \x01(\t\"Q\n\x15UpdateWeightsResponse\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\")\n\x0fGetStateRequest\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\"\xdf\x01\n\x0cServiceState\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x34\n\x06gauges\x18\x07 \x03(\x0b\x32$.rlfleet.v1.ServiceState.GaugesEntry\x1a-\n\x0bGaugesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\":\n\x0c\x44rainRequest\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\"H\n\rDrainResponse\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\r\n\x05state\x18\x03 \x01(\t2\x98\x02\n\x05\x41\x63tor\x12\x38\n\x05Train\x12\x16.rlfleet.v1.TrainBatch\x1a\x17.rlfleet.v1.TrainResult\x12T\n\rUpdateWeights\x12 .rlfleet.v1.UpdateWeightsRequest\x1a!.rlfleet.v1.UpdateWeightsResponse\x12\x41\n\x08GetState\x12\x1b.rlfleet.v1.GetStateRequest\x1a\x18.rlfleet.v1.ServiceState\x12<\n\x05\x44rain\x12\x18.rlfleet.v1.DrainRequest\x1a\x19.rlfleet.v1.DrainResponse2\xc3\x01\n\x06\x43ritic\x12\x38\n\x05Train\x12\x16.rlfleet.v1.TrainBatch\x1a\x17.rlfleet.v1.TrainResult\x12\x41\n\x08GetState\x12\x1b.rlfleet.v1.GetStateRequest\x1a\x18.rlfleet.v1.ServiceState\x12<\n\x05\x44rain\x12\x18.rlfleet.v1.DrainRequest\x1a\x19.rlfleet.v1.DrainResponse2\x89\x01\n\x06Scorer\x12\x41\n\x08GetState\x12\x1b.rlfleet.v1.GetStateRequest\x1a\x18.rlfleet.v1.ServiceState\x12<\n\x05\x44rain\x12\x18.rlfleet.v1.DrainRequest\x1a\x19.rlfleet.v1.DrainResponse2\x8d\x01\n\nController\x12\x41\n\x08GetState\x12\x1b.rlfleet.v1.GetStateRequest\x1a\x18.rlfleet.v1.ServiceState\x12<\n\x05\x44rain\x12\x18.rlfleet.v1.DrainRequest\x1a\x19.rlfleet.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eservices/core/pb/rlfleet.proto\x12\nrlfleet.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x81\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"k\n\x06Prompt\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rdataset_index\x18\x03 \x01(\x04\x12\x14\n\x0csample_index\x18\x04 \x01(\r\x12\x10\n\x08group_id\x18\x05 \x01(\x04\"\xa9\x01\n\x0bPromptBatch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12#\n\x07prompts\x18\x04 \x03(\x0b\x32\x12.rlfleet.v1.Prompt\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x0c\n\x04step\x18\x06 \x01(\x03\"\xde\x03\n\x0cRolloutBatch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x10\n\x08task_ids\x18\x03 \x03(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12&\n\nprompt_ids\x18\x05 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\'\n\x0bprompt_mask\x18\x06 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12(\n\x0cresponse_ids\x18\x07 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12)\n\rresponse_mask\x18\x08 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12.\n\x12\x62\x65haviour_logprobs\x18\t \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12%\n\tgroup_ids\x18\n \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12,\n\x08sampling\x18\x0b \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x16\n\x0e\x66inish_reasons\x18\x0c \x03(\t\x12\x18\n\x10generate_seconds\x18\r \x01(\x01\x12$\n\x08versions\x18\x0e \x01(\x0b\x32\x12.rlfleet.v1.Tensor\"\x88\x03\n\nScoreBatch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x10\n\x08task_ids\x18\x04 \x03(\t\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12(\n\x0cref_logprobs\x18\x06 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12#\n\x07rewards\x18\x07 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\"\n\x06values\x18\x08 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\x15\n\rscore_seconds\x18\t \x01(\x01\x12G\n\x11reward_components\x18\n \x03(\x0b\x32,.rlfleet.v1.ScoreBatch.RewardComponentsEntry\x1aK\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.rlfleet.v1.Tensor:\x02\x38\x01\"\xc7\x02\n\nTrainBatch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08\x62\x61tch_id\x18\x03 \x01(\t\x12\x16\n\x0etarget_version\x18\x04 \x01(\x03\x12)\n\x07rollout\x18\x05 \x01(\x0b\x32\x18.rlfleet.v1.RolloutBatch\x12&\n\nadvantages\x18\x06 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12#\n\x07returns\x18\x07 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12\"\n\x06values\x18\x08 \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12(\n\x0cref_logprobs\x18\t \x01(\x0b\x32\x12.rlfleet.v1.Tensor\x12#\n\x07rewards\x18\n \x01(\x0b\x32\x12.rlfleet.v1.Tensor\"\xce\x01\n\x0bTrainResult\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x31\n\x05stats\x18\x04 \x03(\x0b\x32\".rlfleet.v1.TrainResult.StatsEntry\x12\x15\n\rtrain_seconds\x18\x05 \x01(\x01\x12\x10\n\x08replayed\x18\x06 \x01(\x08\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"X\n\x14UpdateWeightsRequest\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x03 \x01(\t\"Q\n\x15UpdateWeightsResponse\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\")\n\x0fGetStateRequest\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\"\xdf\x01\n\x0cServiceState\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x34\n\x06gauges\x18\x07 \x03(\x0b\x32$.rlfleet.v1.ServiceState.GaugesEntry\x1a-\n\x0bGaugesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\":\n\x0c\x44rainRequest\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\"H\n\rDrainResponse\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\r\n\x05state\x18\x03 \x01(\t2\x98\x02\n\x05\x41\x63tor\x12\x38\n\x05Train\x12\x16.rlfleet.v1.TrainBatch\x1a\x17.rlfleet.v1.TrainResult\x12T\n\rUpdateWeights\x12 .rlfleet.v1.UpdateWeightsRequest\x1a!.rlfleet.v1.UpdateWeightsResponse\x12\x41\n\x08GetState\x12\x1b.rlfleet.v1.GetStateRequest\x1a\x18.rlfleet.v1.ServiceState\x12<\n\x05\x44rain\x12\x18.rlfleet.v1.DrainRequest\x1a\x19.rlfleet.v1.DrainResponse2\xc3\x01\n\x06\x43ritic\x12\x38\n\x05Train\x12\x16.rlfleet.v1.TrainBatch\x1a\x17.rlfleet.v1.TrainResult\x12\x41\n\x08GetState\x12\x1b.rlfleet.v1.GetStateRequest\x1a\x18.rlfleet.v1.ServiceState\x12<\n\x05\x44rain\x12\x18.rlfleet.v1.DrainRequest\x1a\x19.rlfleet.v1.DrainResponse2\x89\x01\n\x06Scorer\x12\x41\n\x08GetState\x12\x1b.rlfleet.v1.GetStateRequest\x1a\x18.rlfleet.v1.ServiceState\x12<\n\x05\x44rain\x12\x18.rlfleet.v1.DrainRequest\x1a\x19.rlfleet.v1.DrainResponse2\x8d\x01\n\nController\x12\x41\n\x08GetState\x12\x1b.rlfleet.v1.GetStateRequest\x1a\x18.rlfleet.v1.ServiceState\x12<\n\x05\x44rain\x12\x18.rlfleet.v1.DrainRequest\x1a\x19.rlfleet.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'services.core.pb.rlfleet_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SCOREBATCH_REWARDCOMPONENTSENTRY']._loaded_options = None
+  _globals['_SCOREBATCH_REWARDCOMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_TRAINRESULT_STATSENTRY']._loaded_options = None
   _globals['_TRAINRESULT_STATSENTRY']._serialized_options = b'8\001'
   _globals['_SERVICESTATE_GAUGESENTRY']._loaded_options = None
@@ -46,33 +48,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTBATCH']._serialized_start=514
   _globals['_ROLLOUTBATCH']._serialized_end=992
   _globals['_SCOREBATCH']._serialized_start=995
-  _globals['_SCOREBATCH']._serialized_end=1237
-  _globals['_TRAINBATCH']._serialized_start=1240
-  _globals['_TRAINBATCH']._serialized_end=1567
-  _globals['_TRAINRESULT']._serialized_start=1570
-  _globals['_TRAINRESULT']._serialized_end=1776
-  _globals['_TRAINRESULT_STATSENTRY']._serialized_start=1732
-  _globals['_TRAINRESULT_STATSENTRY']._serialized_end=1776
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1778
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1866
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1868
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1949
-  _globals['_GETSTATEREQUEST']._serialized_start=1951
-  _globals['_GETSTATEREQUEST']._serialized_end=1992
-  _globals['_SERVICESTATE']._serialized_start=1995
-  _globals['_SERVICESTATE']._serialized_end=2218
-  _globals['_SERVICESTATE_GAUGESENTRY']._serialized_start=2173
-  _globals['_SERVICESTATE_GAUGESENTRY']._serialized_end=2218
-  _globals['_DRAINREQUEST']._serialized_start=2220
-  _globals['_DRAINREQUEST']._serialized_end=2278
-  _globals['_DRAINRESPONSE']._serialized_start=2280
-  _globals['_DRAINRESPONSE']._serialized_end=2352
-  _globals['_ACTOR']._serialized_start=2355
-  _globals['_ACTOR']._serialized_end=2635
-  _globals['_CRITIC']._serialized_start=2638
-  _globals['_CRITIC']._serialized_end=2833
-  _globals['_SCORER']._serialized_start=2836
-  _globals['_SCORER']._serialized_end=2973
-  _globals['_CONTROLLER']._serialized_start=2976
-  _globals['_CONTROLLER']._serialized_end=3117
+  _globals['_SCOREBATCH']._serialized_end=1387
+  _globals['_SCOREBATCH_REWARDCOMPONENTSENTRY']._serialized_start=1312
+  _globals['_SCOREBATCH_REWARDCOMPONENTSENTRY']._serialized_end=1387
+  _globals['_TRAINBATCH']._serialized_start=1390
+  _globals['_TRAINBATCH']._serialized_end=1717
+  _globals['_TRAINRESULT']._serialized_start=1720
+  _globals['_TRAINRESULT']._serialized_end=1926
+  _globals['_TRAINRESULT_STATSENTRY']._serialized_start=1882
+  _globals['_TRAINRESULT_STATSENTRY']._serialized_end=1926
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1928
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=2016
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=2018
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2099
+  _globals['_GETSTATEREQUEST']._serialized_start=2101
+  _globals['_GETSTATEREQUEST']._serialized_end=2142
+  _globals['_SERVICESTATE']._serialized_start=2145
+  _globals['_SERVICESTATE']._serialized_end=2368
+  _globals['_SERVICESTATE_GAUGESENTRY']._serialized_start=2323
+  _globals['_SERVICESTATE_GAUGESENTRY']._serialized_end=2368
+  _globals['_DRAINREQUEST']._serialized_start=2370
+  _globals['_DRAINREQUEST']._serialized_end=2428
+  _globals['_DRAINRESPONSE']._serialized_start=2430
+  _globals['_DRAINRESPONSE']._serialized_end=2502
+  _globals['_ACTOR']._serialized_start=2505
+  _globals['_ACTOR']._serialized_end=2785
+  _globals['_CRITIC']._serialized_start=2788
+  _globals['_CRITIC']._serialized_end=2983
+  _globals['_SCORER']._serialized_start=2986
+  _globals['_SCORER']._serialized_end=3123
+  _globals['_CONTROLLER']._serialized_start=3126
+  _globals['_CONTROLLER']._serialized_end=3267
 # @@protoc_insertion_point(module_scope)
