@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from services.controller.assembler import StepAssembler, prompt_batch_of
+from services.controller.evaluation import Evaluation
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
 from services.core.events import AppendOnlyFile, EventLog
@@ -68,6 +69,7 @@ class Controller:
         self.runtime = ServiceRuntime.from_config(
             cfg, "controller", readiness=self.readiness, status=self.status, on_drain=self.on_drain)
         self.metrics = self.runtime.metrics
+        self.evaluation = Evaluation(cfg, self.task, self.tokenizer, self.metrics, lambda: self._stub("actor"))
         self.bus: Bus | None = None
         self.workers: list[StreamWorker] = []
         # Every step adds exactly one policy version, so the step counter is the version: one
@@ -135,6 +137,7 @@ class Controller:
             await self.bus.close()
         self.events.close()
         self.metrics_file.close()
+        self.evaluation.close()
         self.journal.close()
 
     # -- admission -----------------------------------------------------------------------------------
@@ -496,6 +499,9 @@ class Controller:
             "advantage_s": t_adv - t0, "train_s": t_train - t_adv, "step_s": elapsed, "staleness": staleness,
             **{f"queue_{k}": v for k, v in depths.items()},
         }
+        # Held-out evaluation at the version just committed; its time is not the next step's.
+        row.update(await self.evaluation.after_step(step + 1, self.version))
+        self.t_last_step = time.perf_counter()
         self.metrics_file.append((json.dumps(row) + "\n").encode())
         self.last = {k: row[k] for k in ("step", "reward_mean", "tokens_per_s", "staleness") if k in row}
         if "kl" in row:
@@ -595,6 +601,7 @@ class Controller:
         tasks.append(asyncio.create_task(self.admit_loop()))
         tasks.append(asyncio.create_task(self.sync_loop()))
         tasks.append(asyncio.create_task(self.watchdog()))
+        await self.evaluation.before_training(self.journal.step)
         step = asyncio.create_task(self.step_loop())
         done, _ = await asyncio.wait([step, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for t in done:
