@@ -26,7 +26,7 @@ from services.core.pb import rlfleet_pb2 as pb
 from services.core.runtime import rpc
 from services.core.wire import message
 from services.tasks import evaluation as ev
-from services.tasks.base import Prompt, Task, TaskError
+from services.tasks.base import Prompt, Task
 
 log = logging.getLogger("rlfleet.controller.eval")
 
@@ -80,7 +80,7 @@ class Evaluation:
             return await self._run(step, version, suffix)
         except EvalFailed as e:
             log.warning("evaluation skipped", extra={"step": step, "version": version, "error": str(e)[:300]})
-        except (TaskError, ValueError) as e:  # a held-out prompt or reward that cannot be computed
+        except Exception as e:  # a prompt or reward that cannot be computed, a disk that refuses samples
             log.warning("evaluation skipped", extra={"step": step, "version": version,
                                                      "error": f"{type(e).__name__}: {str(e)[:300]}"})
         return {}
@@ -131,8 +131,9 @@ class Evaluation:
         req = self._request(ids, version, greedy)
         while True:
             try:
+                # One attempt per call: a hung actor costs one timeout, not several.
                 reply: pb.GenerateReply = await rpc(self.actor_stub().Generate, req, timeout_s=timeout,
-                                                    idempotent=True, retries=1, token=self.cfg.token())
+                                                    idempotent=True, retries=0, token=self.cfg.token())
                 return reply
             except grpc.aio.AioRpcError as e:
                 if wait and e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
