@@ -152,6 +152,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         console.print(f"all services ready: {', '.join(fleet.procs)}; logs in {fleet.run_dir / 'logs'}")
         code = _supervise(fleet, console, args.progress_every)
         console.print(f"run finished: metrics {fleet.run_dir / 'metrics.jsonl'}")
+        if code == 0:
+            fleet.stop()  # the actor checkpoints its final version as it drains; the export reads it
+            code = _export_final(fleet.run_dir, console)
         return code
     except KeyboardInterrupt:
         print("interrupted: stopping the fleet", file=sys.stderr)
@@ -165,6 +168,20 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 console.print(f"report: {write_report(fleet.run_dir, title=f'rlfleet {cfg.run.name}')}")
             except OSError as err:
                 log.warning("report not written: %s", err)
+
+
+def _export_final(run_dir: Path, console: Any) -> int:
+    """The trained policy as a save_pretrained directory, RUN_DIR/export, at the end of a run."""
+    from services.models.export import ExportError, export_final
+
+    try:
+        done = export_final(run_dir)
+    except (ExportError, OSError, ValueError) as err:
+        log.error("final export failed", exc_info=True)
+        print(f"rlfleet up: the run finished but its final export failed: {err}", file=sys.stderr)
+        return 1
+    console.print(f"exported version {done.version} to {done.out}")
+    return 0
 
 
 def _supervise(fleet: Any, console: Any, progress_every: float) -> int:

@@ -8,6 +8,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from services.rl import batch as rb
 from services.rl.pipeline import compute_advantages
 from services.rl.trainer import PolicyTrainer, ValueTrainer
 from services.tasks import chat
+from services.tasks import evaluation as ev
 from services.tasks.base import Task
 
 log = logging.getLogger("rlfleet.local")
@@ -59,17 +61,26 @@ def generate_message(
     return completions_to_rollout(tids, flat, comps, groups, engine.version, tokenizer.pad_token_id)
 
 
-def evaluate(cfg: RunConfig, engine: GenerationEngine, task: Task, tokenizer, scorer: RewardScorer) -> float:  # type: ignore[no-untyped-def]
-    """Mean reward over held-out prompts, one sample each, at the training temperature."""
-    n = cfg.task.eval_size
+def evaluate(cfg: RunConfig, engine: GenerationEngine, task: Task, tokenizer, step: int,  # type: ignore[no-untyped-def]
+             version: int, samples_path: Path, suffix: str = "") -> dict[str, float]:
+    """Held-out evaluation, greedy and sampled at the training temperature, exactly as the fleet's
+    controller runs it through the actor: its metrics keys; its completions go to samples.jsonl."""
+    n = ev.eval_size(task, cfg.task.eval_size)
     if n == 0:
-        return float("nan")
-    texts = [task.eval_prompt(i) for i in range(n)]
-    prompts = chat.encode_prompts(task, tokenizer, range(n), held_out=True)
-    params = sampling_params(cfg, tokenizer, seed=cfg.run.seed + 4242)
-    comps = engine.generate(prompts, params)
-    outs = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
-    return sum(scorer.fn(p, o) for p, o in zip(texts, outs, strict=True)) / n
+        return {}
+    prompts = ev.eval_prompts(task, n)
+    ids = ev.encode_eval_prompts(task, tokenizer, prompts)
+    sampled = sampling_params(cfg, tokenizer, seed=ev.eval_seed(cfg.run.seed))
+    params = {"greedy": replace(sampled, temperature=0.0), "sampled": sampled}
+    reward_model = cfg.models.reward is not None
+    results = {}
+    for mode in ev.MODES:
+        comps = engine.generate(ids, params[mode])
+        texts = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
+        results[mode] = ev.evaluate_mode(task, mode, prompts, texts, reward_model=reward_model)
+    with samples_path.open("a") as f:
+        f.writelines(ev.sample_lines(step, version, prompts, results))
+    return ev.metrics_of(results, suffix)
 
 
 def run_local(
@@ -103,12 +114,16 @@ def run_local(
 
     metrics_path = run_dir / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
+    samples_path = run_dir / ev.SAMPLES_FILE
+    samples_path.unlink(missing_ok=True)
+    if cfg.models.reward is not None and cfg.task.eval_size:
+        log.info("eval reward unavailable: the run's reward is a reward model (models.reward); samples only")
     # A local run starts afresh, so a previous local run's checkpoints would only collide with its versions.
     shutil.rmtree(cfg.checkpoint_dir / "actor", ignore_errors=True)
     record_local_config(cfg, roles.policy_path)
     version = 0
-    eval_before = evaluate(cfg, engine, task, tok, reward)
-    log.info("eval before training", extra={"eval_reward": eval_before})
+    eval_before = evaluate(cfg, engine, task, tok, 0, version, samples_path, suffix="_before")
+    log.info("eval before training", extra=eval_before)
     per_msg = cfg.batch.prompts_per_message
     for step in range(cfg.run.max_steps):
         t0 = time.perf_counter()
@@ -143,7 +158,7 @@ def run_local(
         t_end = time.perf_counter()
         tokens = int(r.response_mask.sum())
         row = {
-            "step": step + 1, "version": version, **stats,
+            "step": step + 1, "time": time.time(), "version": version, **stats,
             "tokens": tokens, "samples": len(r),
             "tokens_per_s": tokens / (t_end - t0), "samples_per_s": len(r) / (t_end - t0),
             "generate_s": t_gen - t0, "score_s": t_score - t_gen, "train_s": t_end - t_score,
@@ -153,9 +168,9 @@ def run_local(
             row.update({f"reward/{n}": sum(v) / len(v) for n, v in sorted(components.items())})
         last = step + 1 == cfg.run.max_steps
         if last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
-            row["eval_reward"] = evaluate(cfg, engine, task, tok, reward)
+            row.update(evaluate(cfg, engine, task, tok, step + 1, version, samples_path))
         if step == 0:
-            row["eval_reward_before"] = eval_before
+            row.update(eval_before)
         with metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if on_step is not None:

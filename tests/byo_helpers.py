@@ -19,7 +19,6 @@ from services.core.journal import Journal
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.wire import parse_message, validate_rollout_batch
 from services.models.checkpoint import load_checkpoint
-from services.models.export import export_final
 from services.models.loading import load_causal_lm, load_tokenizer
 from services.models.logprobs import response_logprobs
 from services.tasks import load_task
@@ -61,11 +60,9 @@ def check_journaled_prompt(run_dir: Path) -> None:
 
 
 def exported(run_dir: Path) -> Path:
-    """RUN_DIR/export; made here when this branch's `rlfleet up` does not export at the end yet."""
+    """RUN_DIR/export, which `rlfleet up` (and `train --local`) writes at the end of a run."""
     out = run_dir / "export"
-    if not (out / "config.json").is_file():
-        export_final(run_dir)
-    assert (out / "config.json").is_file()
+    assert (out / "config.json").is_file(), f"the run left no export in {out}"
     return out
 
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,33 @@ class Actor:
         self.t.target_version = (await self.bus.get_versions()).get("actor", 0)
         return self.t.target_version
 
+    # -- evaluation ----------------------------------------------------------------------------------
+    async def generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateReply:
+        """Held-out generation at the version the caller names (Generate): the same engine and
+        seeding as training rollouts, but nothing is published, journaled or trained."""
+        try:
+            check_schema_version(request)
+            self.limits.check_generate_request(request)
+        except WireError as e:
+            await invalid(context, e)
+        params = self._params(request.sampling)
+        if request.greedy:
+            params = replace(params, temperature=0.0)
+        prompts = [list(p.token_ids) for p in request.prompts]
+        want = int(request.version)
+        t0 = time.perf_counter()
+        with self.metrics.time_stage("eval_generate"):
+            # Under the engine lock the version cannot move between the check and the generation.
+            async with self.engine_lock:
+                if self.version != want:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"version_mismatch: the actor serves version {self.version}, not {want}")
+                comps = await asyncio.to_thread(self.engine.generate, prompts, params)
+        reply = message(pb.GenerateReply, version=want, generate_seconds=time.perf_counter() - t0)
+        for c in comps:
+            reply.completions.add(token_ids=c.token_ids, finish_reason=c.finish_reason)
+        return reply
+
     # -- training ------------------------------------------------------------------------------------
     async def train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:
         res = await self.t.train(request, context, require=("advantages",), apply=self._train_step)
@@ -299,6 +327,9 @@ class _ActorServicer(ServiceCalls, pb_grpc.ActorServicer):
 
     async def UpdateWeights(self, request: pb.UpdateWeightsRequest, context: Any) -> pb.UpdateWeightsResponse:  # noqa: N802
         return await self.a.update_weights(request, context)
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateReply:  # noqa: N802
+        return await self.a.generate(request, context)
 
 
 def serve(cfg: RunConfig) -> None:

@@ -40,11 +40,12 @@ class StepRecorder:
         return depths
 
     async def record(self, bus: Bus, *, step: int, version: int, r: rb.Rollout, stats: dict[str, float],
-                     staleness: int, times: dict[str, float]) -> None:
-        """`step` is the committed step (from 1); `times` holds advantage_s and train_s."""
+                     staleness: int, times: dict[str, float], paused_s: float = 0.0) -> None:
+        """`step` is the committed step (from 1); `times` holds advantage_s and train_s; `paused_s`
+        is time since the last step that was not the step's (held-out evaluation)."""
         now = time.perf_counter()
         tokens = int(r.response_mask.sum())
-        elapsed = now - self.t_last_step
+        elapsed = max(now - self.t_last_step - paused_s, 1e-9)
         self.t_last_step = now
         depths = await self.depths(bus)
         if "reward_mean" not in stats and r.rewards is not None:

@@ -24,6 +24,7 @@ from services.controller.admission import Admission, BadPrompts
 from services.controller.assembler import StepAssembler
 from services.controller.components import ComponentMeans, reward_names
 from services.controller.durable import DurableJournal
+from services.controller.evaluation import Evaluation
 from services.controller.recording import StepRecorder
 from services.controller.recovery import ROLLOUT
 from services.controller.trainables import Trainables
@@ -86,6 +87,7 @@ class Controller:
         self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step)
         self.trainables = Trainables(cfg, self.trainable, self.journal, self.events, lambda: self.version)
         self.recorder = StepRecorder(cfg.run_dir / "metrics.jsonl", self.metrics, self.events, self.journal)
+        self.evaluation = Evaluation(cfg, task, self.tokenizer, self.metrics, lambda: self.trainables.stub("actor"))
         self.bus: Bus | None = None
         self.workers: list[StreamWorker] = []
         self.loops: list[asyncio.Task[None]] = []
@@ -156,6 +158,7 @@ class Controller:
             await self.bus.close()
         self.events.close()
         self.recorder.close()
+        self.evaluation.close()
         self.journal.close()
 
     async def pause(self, seconds: float) -> None:
@@ -366,9 +369,14 @@ class Controller:
         await fault_point(run_dir, "journal_committed", done_step)
         for res in results:
             stats.update({k: float(v) for k, v in res.stats.items()})
+        # Held-out evaluation at the version just committed, in this step's row; its time is
+        # counted in neither this step's throughput nor the next one's.
+        t_eval = time.perf_counter()
+        stats.update(await self.evaluation.after_step(done_step, target))
         await self.recorder.record(bus, step=done_step, version=target, r=r, stats=stats,
                                    staleness=target - 1 - min(gen_versions),
-                                   times={"advantage_s": t_adv - t0, "train_s": t_train - t_adv})
+                                   times={"advantage_s": t_adv - t0, "train_s": t_train - t_adv},
+                                   paused_s=time.perf_counter() - t_eval)
 
     async def sync_loop(self) -> None:
         """Watch the trainable services once a second, and keep the version they catch up to in
@@ -425,6 +433,7 @@ class Controller:
         self.loops += [asyncio.create_task(self.admit_loop(), name="admit"),
                        asyncio.create_task(self.sync_loop(), name="sync"),
                        asyncio.create_task(recovery.watchdog(self), name="watchdog")]
+        await self.evaluation.before_training(self.journal.step)
         step = asyncio.create_task(self.step_loop(), name="step")
         self.loops.append(step)
         done, _ = await asyncio.wait(self.loops, return_when=asyncio.FIRST_COMPLETED)

@@ -43,6 +43,8 @@ class Limits:
     temperature: float
     # The names of the run's reward components when it has several (task.rewards); else empty.
     reward_names: frozenset[str] = frozenset()
+    # Most prompts one Generate (held-out evaluation) call may carry: the run's task.eval_size.
+    max_eval_prompts: int = 0
 
     @property
     def rows_per_message(self) -> int:
@@ -62,7 +64,7 @@ class Limits:
         return cls(vocab_size=vocab, max_version=cfg.run.max_steps, max_new_tokens=g.max_new_tokens,
                    max_prompt_tokens=max_prompt, group_size=cfg.algo.group_size,
                    prompts_per_message=cfg.batch.prompts_per_message, samples_per_step=cfg.samples_per_step,
-                   temperature=g.temperature)
+                   temperature=g.temperature, max_eval_prompts=cfg.task.eval_size)
 
     # -- scalars ------------------------------------------------------------------------------------
     def check_version(self, value: int, where: str, *, at_least: int = 0) -> None:
@@ -126,6 +128,24 @@ class Limits:
             if min(p.token_ids) < 0 or max(p.token_ids) >= self.vocab_size:
                 raise WireError("bad_token_ids", f"{owner}: prompt {p.task_id!r}: token_ids outside the"
                                 f" vocabulary [0, {self.vocab_size})")
+        self.check_sampling(msg.sampling, owner)
+
+    def check_generate_request(self, msg: pb.GenerateRequest) -> None:
+        """A Generate (evaluation) call: at most the run's held-out prompts, each inside the
+        vocabulary and the context, the run's sampling parameters, a version inside the run."""
+        owner = "GenerateRequest"
+        n = len(msg.prompts)
+        if not 1 <= n <= self.max_eval_prompts:
+            raise WireError("bad_prompts", f"{owner}: prompts has {n} entries, expected 1 to"
+                            f" {self.max_eval_prompts} (task.eval_size)")
+        self.check_version(int(msg.version), f"{owner}: version")
+        for k, p in enumerate(msg.prompts):
+            if not 1 <= len(p.token_ids) <= self.max_prompt_tokens:
+                raise WireError("prompt_too_long", f"{owner}: prompt {k}: token_ids has {len(p.token_ids)}"
+                                f" tokens, expected 1 to {self.max_prompt_tokens}")
+            if min(p.token_ids) < 0 or max(p.token_ids) >= self.vocab_size:
+                raise WireError("bad_token_ids", f"{owner}: prompt {k}: token_ids outside the vocabulary"
+                                f" [0, {self.vocab_size})")
         self.check_sampling(msg.sampling, owner)
 
     def check_sampling(self, s: pb.SamplingParams, owner: str) -> None:

@@ -131,6 +131,13 @@ class ServiceMetrics:
         self.loss = Gauge(
             "rlfleet_loss", "Last training loss by kind (policy, value, entropy, ...)", ["kind"], registry=r
         )
+        self.eval_reward = Gauge(
+            "rlfleet_eval_reward", "Mean reward on the held-out prompts at the last evaluation", ["mode"], registry=r
+        )
+        self.eval_accuracy = Gauge(
+            "rlfleet_eval_accuracy", "Fraction of held-out prompts solved at the last evaluation", ["mode"],
+            registry=r,
+        )
 
         # Faults. `target` is the service seen restarting (the controller observes the fleet);
         # a service that restarts itself from a checkpoint counts itself.

@@ -15,6 +15,7 @@ _OPS = "+-"
 class ArithmeticTask(BaseTask):
     name = "arithmetic"
     tokenizer_kind: TokenizerKind = "char"
+    own_reward_is_binary = True
 
     def __init__(
         self,

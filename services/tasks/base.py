@@ -48,6 +48,9 @@ class Task(Protocol):
 
     def reward(self, prompt: Prompt, completion: str) -> float: ...
 
+    @property
+    def correct_at(self) -> float | None: ...
+
     def score(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> RewardResult: ...
 
     def sft_example(self, index: int) -> tuple[str, str]: ...
@@ -144,3 +147,22 @@ class BaseTask:
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         return self.score([prompt], [completion]).total[0]
+
+    # The task's own reward is 0/1 (1.0 = solved): reasoning-gym's score_answer, exact match.
+    own_reward_is_binary: bool = False
+
+    @property
+    def correct_at(self) -> float | None:
+        """The reward at or above which a completion counts as correct (held-out accuracy); None
+        when the run's reward has no such notion (a user function, a weighted mix, a reward model)."""
+        rs = self.rewards
+        if rs is None:
+            return 1.0 if self.own_reward_is_binary and self._reward_override is None else None
+        if len(rs.components) != 1 or rs.components[0].weight != 1.0:
+            return None
+        from services.tasks.rewards import math_verify_reward
+
+        fn = rs.components[0].fn
+        binary = fn is math_verify_reward or (self.own_reward_is_binary and fn in (self.own_reward, self.base_reward)
+                                              and self._reward_override is None)
+        return 1.0 if binary else None

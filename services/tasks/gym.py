@@ -33,6 +33,7 @@ def generator_names() -> list[str]:
 
 class ReasoningGymTask(BaseTask):
     tokenizer_kind: TokenizerKind = "char"
+    own_reward_is_binary = True
     field_names: tuple[str, ...] = ("answer", "metadata", "question")
 
     def __init__(self, section: TaskSection) -> None:

@@ -54,7 +54,7 @@ def test_every_top_level_message_has_schema_version() -> None:
 
 def test_services_expose_the_contract_rpcs() -> None:
     expected = {
-        "Actor": {"Train", "UpdateWeights", "GetState", "Drain"},
+        "Actor": {"Train", "UpdateWeights", "Generate", "GetState", "Drain"},
         "Critic": {"Train", "GetState", "Drain"},
         "Scorer": {"GetState", "Drain"},
         "Controller": {"GetState", "Drain"},

@@ -240,3 +240,36 @@ class DrainResponse(_message.Message):
     accepted: bool
     state: str
     def __init__(self, schema_version: _Optional[int] = ..., accepted: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("schema_version", "version", "prompts", "sampling", "greedy")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    version: int
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    sampling: SamplingParams
+    greedy: bool
+    def __init__(self, schema_version: _Optional[int] = ..., version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., greedy: _Optional[bool] = ...) -> None: ...
+
+class GenerateReply(_message.Message):
+    __slots__ = ("schema_version", "version", "completions", "generate_seconds")
+    class Completion(_message.Message):
+        __slots__ = ("token_ids", "finish_reason")
+        TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+        FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+        token_ids: _containers.RepeatedScalarFieldContainer[int]
+        finish_reason: str
+        def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    version: int
+    completions: _containers.RepeatedCompositeFieldContainer[GenerateReply.Completion]
+    generate_seconds: float
+    def __init__(self, schema_version: _Optional[int] = ..., version: _Optional[int] = ..., completions: _Optional[_Iterable[_Union[GenerateReply.Completion, _Mapping]]] = ..., generate_seconds: _Optional[float] = ...) -> None: ...

@@ -45,6 +45,11 @@ class ActorStub:
                 request_serializer=services_dot_core_dot_pb_dot_rlfleet__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=services_dot_core_dot_pb_dot_rlfleet__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_unary(
+                '/rlfleet.v1.Actor/Generate',
+                request_serializer=services_dot_core_dot_pb_dot_rlfleet__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=services_dot_core_dot_pb_dot_rlfleet__pb2.GenerateReply.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/rlfleet.v1.Actor/GetState',
                 request_serializer=services_dot_core_dot_pb_dot_rlfleet__pb2.GetStateRequest.SerializeToString,
@@ -68,6 +73,12 @@ class ActorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,6 +108,11 @@ def add_ActorServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=services_dot_core_dot_pb_dot_rlfleet__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=services_dot_core_dot_pb_dot_rlfleet__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=services_dot_core_dot_pb_dot_rlfleet__pb2.GenerateRequest.FromString,
+                    response_serializer=services_dot_core_dot_pb_dot_rlfleet__pb2.GenerateReply.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -164,6 +180,33 @@ class Actor:
             '/rlfleet.v1.Actor/UpdateWeights',
             services_dot_core_dot_pb_dot_rlfleet__pb2.UpdateWeightsRequest.SerializeToString,
             services_dot_core_dot_pb_dot_rlfleet__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Actor/Generate',
+            services_dot_core_dot_pb_dot_rlfleet__pb2.GenerateRequest.SerializeToString,
+            services_dot_core_dot_pb_dot_rlfleet__pb2.GenerateReply.FromString,
             options,
             channel_credentials,
             insecure,
