@@ -232,7 +232,7 @@ def test_dual_clip_bounds_negative_advantage_tokens_at_c_times_a() -> None:
         ratio, a = torch.exp(xr[i, t] - old[i, t]), float(adv[i, t])
         obj = torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a)
         if a < 0:
-            hits += int(float(obj) < c * a)
+            hits += int(float(obj.detach()) < c * a)
             obj = torch.maximum(obj, torch.tensor(c * a, dtype=torch.float64))
         terms.append(-obj)
     expected = sum(terms, torch.zeros((), dtype=torch.float64)) / len(terms)
