@@ -50,7 +50,6 @@ def service_main(name: str, serve: Callable[[RunConfig], None]) -> None:
     try:
         serve(cfg)
     except ConfigError as err:  # found while building the service (e.g. a journal of another run)
-        logging.getLogger("rlfleet").error("%s failed: %s", name, err)
         print(f"{name}: {err}", file=sys.stderr)
         sys.exit(2)
     except Exception as err:
