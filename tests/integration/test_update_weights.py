@@ -169,9 +169,10 @@ def test_update_weights_loads_a_checkpoint_into_the_engine_and_refuses_what_the_
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "checkpoint_path" in why
     assert actor.version() == 3
 
-    # A save_pretrained directory (the original model) at a newer committed version.
-    assert actor.update(tiny_model, 4).version == 4
-    assert actor.update(tiny_model, 4).version == 4  # the same version again is a no-op
-    r = actor.generate(version=4)
-    assert r.version == 4
+    # A save_pretrained directory (the original model) at the committed version: the actor is caught
+    # up again and serves it (behind the committed version it would serve nothing).
+    assert actor.update(tiny_model, 5).version == 5
+    assert actor.update(tiny_model, 5).version == 5  # the same version again is a no-op
+    r = actor.generate(version=5)
+    assert r.version == 5
     torch.testing.assert_close(r.behaviour_logprobs[r.response_mask], _logprobs(original, r), atol=1e-4, rtol=1e-4)
