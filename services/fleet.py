@@ -25,7 +25,7 @@ import yaml
 
 from services.core.config import RunConfig, ServiceName, parse_config
 from services.core.placement import Inventory, PlacementError, Plan, discover_gpus
-from services.core.ports import PortClaims, PortRequest, assign_ports
+from services.core.ports import PortClaims, PortRequest, assign_ports, pid_alive
 from services.core.redis_proc import RedisProcess, start_redis
 from services.preflight import RunState, check_fleet
 
@@ -322,7 +322,7 @@ def swap(run_dir: Path, service: str, token: str | None = None, timeout_s: float
         raise FleetError(f"no running service {service!r} in {run_dir / 'services'} (found: {', '.join(files)})")
     info = files[service]
     old_pid = int(info["pid"])
-    if not _pid_alive(old_pid):
+    if not pid_alive(old_pid):
         raise FleetError(f"{service} is not running (pid {old_pid} in {run_dir / 'services' / service}.json has"
                          " exited): start the run with `rlfleet up` first")
     base = f"http://{info['host']}:{info['http_port']}"
@@ -335,7 +335,7 @@ def swap(run_dir: Path, service: str, token: str | None = None, timeout_s: float
     if r.status_code >= 300:
         raise FleetError(f"{service} refused to drain: HTTP {r.status_code} {r.text[:200]}")
     deadline = t0 + timeout_s
-    while _pid_alive(old_pid):
+    while pid_alive(old_pid):
         if time.monotonic() > deadline:
             raise FleetError(f"{service} (pid {old_pid}) did not exit within {timeout_s:.0f}s of drain")
         time.sleep(0.1)
@@ -354,18 +354,3 @@ def swap(run_dir: Path, service: str, token: str | None = None, timeout_s: float
     t_ready = time.monotonic()
     return {"drain_s": t_exit - t0, "replacement_ready_s": t_ready - t_exit, "total_s": t_ready - t0,
             "old_pid": float(old_pid), "new_pid": float(new["pid"])}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][:1] != "Z"
-    except OSError:
-        return False

@@ -44,14 +44,19 @@ def _claims_path() -> Path:
     return Path(tempfile.gettempdir()) / f"rlfleet-ports-{os.getuid()}.json"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs; a zombie (exited, not yet reaped) is gone for our purposes."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return False
 
 
 class PortClaims:
@@ -71,7 +76,7 @@ class PortClaims:
                 except (OSError, ValueError):
                     raw = {}
                 claims = {k: v for k, v in raw.items()
-                          if isinstance(v, dict) and isinstance(v.get("pid"), int) and _pid_alive(v["pid"])}
+                          if isinstance(v, dict) and isinstance(v.get("pid"), int) and pid_alive(v["pid"])}
                 yield claims
                 tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
                 tmp.write_text(json.dumps(claims))
