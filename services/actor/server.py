@@ -47,7 +47,8 @@ class Actor:
         self.tokenizer = load_tokenizer(path)
         self.policy = load_causal_lm(path, dtype=cfg.models.policy.dtype, device=cfg.endpoint("actor").device)
         self.limits = Limits.for_run(cfg, vocab_size=int(self.policy.config.vocab_size))
-        self.engine = make_engine(cfg.generation.engine, path, dtype=cfg.models.policy.dtype,
+        self.engine = make_engine(cfg.generation.engine, path,
+                                  dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
                                   **cfg.generation.engine_kwargs())
         self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
                                      gradient_checkpointing=cfg.models.policy.gradient_checkpointing)

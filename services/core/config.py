@@ -68,6 +68,10 @@ class GenerationSection(_Strict):
     engine: Literal["transformers", "vllm"] = "transformers"
     # Device of the generation engine ("cuda" for vLLM; the GPU is chosen by CUDA_VISIBLE_DEVICES).
     device: str = "cpu"
+    # The engine's weights dtype; unset means the policy's (models.policy.dtype). A float32 trainer with
+    # a bfloat16 engine keeps fp32 master weights (small updates survive) while generating at bf16 speed;
+    # each weight sync casts.
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
     vllm: VLLMOptions = Field(default_factory=VLLMOptions)
     max_new_tokens: Annotated[int, Field(ge=1, le=32768)] = 8
     temperature: Annotated[float, Field(gt=0, le=10)] = 1.0
@@ -80,6 +84,9 @@ class GenerationSection(_Strict):
     # Run the engine in a child process of the actor: generation then overlaps the policy update
     # without sharing the actor's GIL (weights still move without copies: shared memory or CUDA IPC).
     process: bool = False
+
+    def engine_dtype(self, policy_dtype: str) -> str:
+        return self.dtype or policy_dtype
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `services.models.factory.make_engine`."""

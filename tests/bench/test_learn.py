@@ -1,0 +1,78 @@
+"""The learning benchmark (bench/learn.py): its clock, its summary against the targets, and every phase
+end to end in the CPU dry run (a tiny model, the transformers engine, TRL without vLLM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.learn import fleet_points
+from bench.learn_report import at_step, reach_time, summarize
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _row(step: int, t: float, acc: float | None, eval_s: float | None = None, **extra: float) -> dict[str, float]:
+    row: dict[str, float] = {"step": step, "time": t, "step_s": 1.0, **extra}
+    if acc is not None:
+        row.update(eval_accuracy_greedy=acc, eval_s=eval_s if eval_s is not None else 2.0)
+    return row
+
+
+def test_fleet_points_take_every_evaluation_off_the_clock() -> None:
+    launch = 1000.0
+    rows = [_row(1, 1100.0, None, eval_accuracy_greedy_before=0.01), _row(2, 1102.0, 0.05, eval_s=4.0),
+            _row(3, 1103.0, None), _row(4, 1110.0, 0.2, eval_s=6.0)]
+    pts = fleet_points(rows, launch)
+    assert [p["step"] for p in pts] == [0, 2, 4]
+    # The evaluation before training is charged at the median of the timed ones (5 s).
+    assert pts[0]["accuracy"] == 0.01 and pts[0]["clock_s"] == pytest.approx(100.0 - 5.0)
+    assert pts[1]["clock_s"] == pytest.approx(102.0 - 5.0 - 4.0)
+    assert pts[2]["clock_s"] == pytest.approx(110.0 - 5.0 - 4.0 - 6.0)
+
+
+def test_summary_says_when_the_fleet_reaches_trls_final_accuracy() -> None:
+    fleet = {"points": [{"step": 0, "clock_s": 50.0, "accuracy": 0.01}, {"step": 50, "clock_s": 80.0, "accuracy": 0.3},
+                        {"step": 100, "clock_s": 110.0, "accuracy": 0.5}]}
+    trl = {"points": [{"step": 0, "clock_s": 40.0, "accuracy": 0.01}, {"step": 50, "clock_s": 150.0, "accuracy": 0.2},
+                      {"step": 100, "clock_s": 260.0, "accuracy": 0.3}]}
+    s = summarize(fleet, trl)
+    assert s["fleet_gain_points"] == pytest.approx(49.0) and s["target_gain_met"]
+    assert s["trl_time_to_final"] == 260.0 and s["fleet_time_to_trl_final"] == 80.0
+    assert s["time_ratio"] == pytest.approx(80.0 / 260.0) and s["target_half_time_met"]
+    assert s["per_step"]["100"] == {"fleet": 0.5, "trl": 0.3} and s["per_step"]["200"] == {"fleet": None, "trl": None}
+
+
+def test_summary_misses_the_time_target_when_the_fleet_never_gets_there() -> None:
+    fleet = {"points": [{"step": 0, "clock_s": 50.0, "accuracy": 0.0}, {"step": 5, "clock_s": 60.0, "accuracy": 0.05}]}
+    trl = {"points": [{"step": 0, "clock_s": 40.0, "accuracy": 0.0}, {"step": 5, "clock_s": 90.0, "accuracy": 0.2}]}
+    s = summarize(fleet, trl)
+    assert s["fleet_time_to_trl_final"] is None and not s["target_half_time_met"]
+    assert not s["target_gain_met"]  # +5 points
+    assert reach_time(trl["points"], 0.05) == 90.0 and at_step(trl["points"], 3) == 0.0
+
+
+@pytest.mark.slow
+def test_dry_run_trains_both_frameworks_and_reports(tmp_path: Path) -> None:
+    pytest.importorskip("trl", reason="TRL is the peer; without it there is nothing to compare")
+    env = {**os.environ, "BENCH_DRY": "1", "BENCH_WORK": str(tmp_path / "work")}
+    out = tmp_path / "out"
+    for phase, budget in (("fleet", "60"), ("trl", "8")):
+        proc = subprocess.run([sys.executable, "-m", "bench.learn", phase, "--budget-s", budget, "--out", str(out)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        res = json.loads((out / f"{phase}.json").read_text())
+        assert res["ok"], res.get("error")
+        clocks = [p["clock_s"] for p in res["points"]]
+        assert len(clocks) >= 2 and clocks == sorted(clocks) and clocks[0] > 0
+        assert res["points"][0]["step"] == 0 and res["first_step_s"] > 0
+    proc = subprocess.run([sys.executable, "-m", "bench.learn", "report", "--results", str(out), "--no-benchmarks-md"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    assert summary["untrained_accuracy"] is not None and summary["fleet_steps"] >= 1
