@@ -229,6 +229,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"{name:<12} pid={row.get('pid')} state={row.get('state')} "
                   f"grpc={row.get('host')}:{row.get('grpc_port')} http={row.get('http_port')} "
                   f"version={detail.get('version', '')} {json.dumps(detail, default=str)}")
+            for rep in detail.get("engine_replicas", []):  # generation.replicas > 1: one line per engine
+                gpus = ",".join(str(g["gpu"]) for g in rep.get("gpus", [])) or "-"
+                print(f"{'':<12} replica {rep['replica']} pid={rep.get('pid')} alive={rep.get('alive')}"
+                      f" version={rep.get('version')} {rep.get('tokens_per_s', 0):.0f} tok/s gpus={gpus}")
     return 0
 
 
