@@ -72,7 +72,8 @@ def test_two_replicas_generate_like_one_engine_sync_together_and_a_dead_one_fail
         _same_as_one_engine(r, one, tiny_model, seed=0)
 
         perturbed = _perturbed(tiny_model)
-        ckpt = save_checkpoint(tmp_path / "ckpts", "actor", 1, 1, perturbed, PolicyTrainer(perturbed, cfg.algo, 1.0).opt)
+        opt = PolicyTrainer(perturbed, cfg.algo, 1.0).opt
+        ckpt = save_checkpoint(tmp_path / "ckpts", "actor", 1, 1, perturbed, opt)
         actor.commit(1)
         assert actor.update(ckpt, 1).version == 1
         rows = _status(actor)["detail"]["engine_replicas"]

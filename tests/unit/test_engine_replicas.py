@@ -21,7 +21,6 @@ from services.models.tokenizer import encode_prompt
 from services.tasks import make_task
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
@@ -155,7 +154,7 @@ def test_a_sync_that_fails_on_one_replica_after_another_took_it_kills_the_set() 
     reps = [_Tagged(), _Tagged()]
     engine = ReplicaEngine(reps)  # type: ignore[arg-type]
     reps[1].fail_update = EngineError("engine process died (exit code -9) during update_weights")
-    with pytest.raises(ReplicaSetBroken, match="replicas \\[0\\].*replica 1"):
+    with pytest.raises(ReplicaSetBroken, match=r"replicas \[0\].*replica 1"):
         engine.update_weights([], 1)
     assert not engine.alive and engine.version == 0
     with pytest.raises(ReplicaSetBroken):
@@ -177,7 +176,7 @@ def test_layout_gives_each_replica_its_gpus_or_splits_one_gpu() -> None:
     assert shared.visible_devices(1) == "3"
     cpu = replica_layout(2, 1, [])
     assert cpu.visible_devices(0) is None
-    with pytest.raises(EngineError, match="needs 4 GPUs.*has 2"):
+    with pytest.raises(EngineError, match=r"needs 4 GPUs.*has 2"):
         replica_layout(2, 2, ["0", "1"])
     with pytest.raises(EngineError, match="needs 2 GPUs per replica"):
         replica_layout(1, 2, [])
