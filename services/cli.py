@@ -252,7 +252,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from services.plan import plan_main
 
     return plan_main(Path(args.config), Path(args.out) if args.out else None, args.json,
-                     Path(args.inventory) if args.inventory else None)
+                     Path(args.inventory) if args.inventory else None,
+                     Path(args.k8s_patch) if args.k8s_patch else None)
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
@@ -313,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--inventory", default=None,
                     help="GPUs from a YAML/JSON file instead of NVML (plan for another host)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--k8s-patch", default=None,
+                    help="write a kustomize patch with each Deployment's nvidia.com/gpu count here")
     pl.set_defaults(fn=_cmd_plan)
 
     a = sub.add_parser("audit", help="check a run against the five invariants of the task journal")
