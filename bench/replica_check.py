@@ -25,6 +25,7 @@ log-prob max diff <= 0.1 bf16, equal versions, equal greedy completions, each re
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -61,7 +62,8 @@ def build_model(path: Path) -> Path:
     if (path / "config.json").exists():
         return path
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(torch.float32 if DRY else torch.bfloat16)
+    model: Any = Qwen2ForCausalLM(Qwen2Config(**SHAPE))
+    model = model.to(torch.float32 if DRY else torch.bfloat16)
     model.save_pretrained(path)
     # <pad> <s> </s> <unk> are ids 0..3 (bos 1, eos 2 as in SHAPE), then one word per remaining id.
     words = [f"w{i}" for i in range(int(SHAPE["vocab_size"]) - len(SPECIAL_TOKENS))]
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(gen.engine, model_path, dtype=dtype, **gen.engine_kwargs())
     assert isinstance(engine, ReplicaEngine)
     say(f"2 replicas up in {time.perf_counter() - t0:.1f}s:", json.dumps(engine.describe(), default=str)[:400])
-    policy = load_causal_lm(model_path, dtype="float32", device=device)  # the trainer's copy, fp32 master
+    policy: Any = load_causal_lm(model_path, dtype="float32", device=device)  # the trainer's copy, fp32 master
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
     gpu = GpuMonitor(ServiceMetrics("actor")) if not DRY else None
     g = torch.Generator().manual_seed(0)
@@ -120,16 +122,16 @@ def main(argv: list[str] | None = None) -> int:
         comps = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=version))
         greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
         per: list[dict[str, Any]] = []
+        # The trainer scores in fp32 and (on the GPU) in bf16, a copy: the fp32 master stays as it is.
+        forwards: dict[str, Any] = {"float32": policy}
+        if not DRY:
+            forwards["bfloat16"] = copy.deepcopy(policy).to(torch.bfloat16)
         for r, (lo, hi_) in enumerate(spread(len(prompts), 2)):
-            diffs: dict[str, Any] = {}
-            for fwd in ("float32",) + (() if DRY else ("bfloat16",)):
-                model = policy if fwd == "float32" else policy.to(torch.bfloat16)
-                d = _logprob_diff(model, prompts[lo:hi_], comps[lo:hi_], device, response_logprobs)
-                diffs[fwd] = d
-                if fwd == "bfloat16":
-                    policy.to(torch.float32)
+            diffs = {fwd: _logprob_diff(m, prompts[lo:hi_], comps[lo:hi_], device, response_logprobs)
+                     for fwd, m in forwards.items()}
             per.append({"replica": r, "version": versions[r], "logprob_diff": diffs})
         same_greedy = [c.token_ids for c in greedy[:BATCH // 2]] == [c.token_ids for c in greedy[BATCH // 2:]]
+        del forwards
         rows = replica_rows(engine, gpu)
         mem = [{"replica": x["replica"], "gpus": x.get("gpus", [])} for x in rows]
         checks = {"versions": versions == [version, version], "greedy_equal_across_replicas": same_greedy,
