@@ -196,3 +196,36 @@ def test_config_checks_replicas_against_the_actors_device_group() -> None:
 def test_tensor_parallel_transformers_engine_is_refused_by_the_factory(model: Path) -> None:
     with pytest.raises(EngineError, match="needs engine 'vllm'"):
         make_engine("transformers", model, tensor_parallel_size=2)
+
+
+def test_replica_metrics_carry_the_nvml_index_of_each_replicas_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML cannot run here: a stand-in module answers like a host whose GPUs 2 and 5 the actor sees
+    (CUDA_VISIBLE_DEVICES=2,5); each replica's `gpu` label is the host index, its memory its process's."""
+    import types
+
+    from prometheus_client import generate_latest
+
+    from services.actor.engine_metrics import ReplicaCollector, replica_rows
+    from services.core.gpu import GpuMonitor
+    from services.core.metrics import ServiceMetrics
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    reps = [_Tagged(), _Tagged()]
+    for pid, r in zip((101, 202), reps, strict=True):
+        r.describe = lambda pid=pid: {"engine": "vllm", "process": pid}  # type: ignore[attr-defined]
+    engine = ReplicaEngine(reps, replica_layout(2, 1, ["2", "5"]))  # type: ignore[arg-type]
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 8,
+        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}", nvmlDeviceGetUUID=lambda h: f"GPU-{h}",
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [
+            types.SimpleNamespace(pid=101 if h == "h2" else 202, usedGpuMemory=(3 if h == "h2" else 4) << 30)])
+    m = ServiceMetrics("actor")
+    gpu = GpuMonitor(m, nvml=nvml)
+    engine.generate([[7], [8], [9]], SamplingParams())
+    rows = replica_rows(engine, gpu)
+    assert [r["gpus"] for r in rows] == [[{"gpu": 2, "memory_bytes": 3 << 30}], [{"gpu": 5, "memory_bytes": 4 << 30}]]
+    assert [r["tokens"] for r in rows] == [4, 2]
+    m.registry.register(ReplicaCollector(engine, gpu))
+    text = generate_latest(m.registry).decode()
+    assert 'rlfleet_engine_replica_gpu_memory_bytes{gpu="5",replica="1",service="actor"} 4.294967296e+09' in text
+    assert 'rlfleet_engine_replica_tokens_total{replica="0",service="actor"} 4.0' in text
