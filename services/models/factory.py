@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from services.models.backends import ENGINE_NAMES, available_engines, build_engine, check_engine_name
-from services.models.engine import EngineError, GenerationEngine
+from services.models.engine import EngineError, EngineUnavailable, GenerationEngine
 
 __all__ = ["ENGINE_NAMES", "available_engines", "make_engine", "visible_gpus"]
 
@@ -47,7 +47,12 @@ def make_engine(
         if name != "vllm":
             raise EngineError(f"generation.tensor_parallel_size {tensor_parallel_size} needs engine 'vllm'"
                               f" (engine {name!r} runs on one device)")
-        options["tensor_parallel_size"] = tensor_parallel_size
+        # vLLM would start its TP workers, but our weight sync loads the model in the engine's own
+        # process only: the workers would keep the old weights. Refuse rather than train on stale ones.
+        raise EngineUnavailable(
+            f"generation.tensor_parallel_size {tensor_parallel_size}: syncing weights into tensor-parallel vLLM"
+            " workers needs vLLM's NCCL weight-transfer path, which is not built yet (docs/architecture.md,"
+            " \"Engine replicas\"); use replicas with tensor_parallel_size 1")
     if replicas > 1:
         return _make_replicas(name, model_path, replicas, tensor_parallel_size, dtype=dtype, device=device,
                               micro_batch=micro_batch, **options)

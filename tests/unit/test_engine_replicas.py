@@ -193,9 +193,11 @@ def test_config_checks_replicas_against_the_actors_device_group() -> None:
         parse_config({"generation": {"tensor_parallel_size": 2}})
 
 
-def test_tensor_parallel_transformers_engine_is_refused_by_the_factory(model: Path) -> None:
+def test_tensor_parallel_engines_are_refused_until_their_weight_sync_exists(model: Path) -> None:
     with pytest.raises(EngineError, match="needs engine 'vllm'"):
         make_engine("transformers", model, tensor_parallel_size=2)
+    with pytest.raises(EngineError, match="NCCL weight-transfer path, which is not built yet"):
+        make_engine("vllm", model, tensor_parallel_size=2)
 
 
 def test_replica_metrics_carry_the_nvml_index_of_each_replicas_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
