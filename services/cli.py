@@ -229,6 +229,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"{name:<12} pid={row.get('pid')} state={row.get('state')} "
                   f"grpc={row.get('host')}:{row.get('grpc_port')} http={row.get('http_port')} "
                   f"version={detail.get('version', '')} {json.dumps(detail, default=str)}")
+            for rep in detail.get("engine_replicas", []):  # generation.replicas > 1: one line per engine
+                gpus = ",".join(str(g["gpu"]) for g in rep.get("gpus", [])) or "-"
+                print(f"{'':<12} replica {rep['replica']} pid={rep.get('pid')} alive={rep.get('alive')}"
+                      f" version={rep.get('version')} {rep.get('tokens_per_s', 0):.0f} tok/s gpus={gpus}")
     return 0
 
 
@@ -248,7 +252,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from services.plan import plan_main
 
     return plan_main(Path(args.config), Path(args.out) if args.out else None, args.json,
-                     Path(args.inventory) if args.inventory else None)
+                     Path(args.inventory) if args.inventory else None,
+                     Path(args.k8s_patch) if args.k8s_patch else None)
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
@@ -309,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--inventory", default=None,
                     help="GPUs from a YAML/JSON file instead of NVML (plan for another host)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--k8s-patch", default=None,
+                    help="write a kustomize patch with each Deployment's nvidia.com/gpu count here")
     pl.set_defaults(fn=_cmd_plan)
 
     a = sub.add_parser("audit", help="check a run against the five invariants of the task journal")

@@ -154,18 +154,18 @@ class Fleet:
             log.info("placed", extra={"service": name, "group": group, "gpus": plan.gpu_ids(name) or "none"})
         return plan
 
-    def service_env(self, name: ServiceName) -> dict[str, str]:
+    def service_env(self, name: ServiceName, replica: int = 0) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.plan is not None:
             # A service without a device group sees no GPU at all: nothing lands on one by accident.
-            env.update(self.plan.service_env(name))
+            env.update(self.plan.service_env(name, replica))
         return env
 
     def _spawn(self, name: ServiceName, replica: int = 0) -> ServiceProc:
         assert self.cfg is not None
         key = f"{name}-{replica}" if replica else name
         log_path = self.run_dir / "logs" / f"{key}.log"
-        env = self.service_env(name)
+        env = self.service_env(name, replica)
         args = [self.python, "-m", f"services.{name}", "--config", str(self.config_path)]
         if replica:
             args += ["--replica", str(replica)]

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from services.actor.engine_metrics import ReplicaCollector, replica_rows
 from services.actor.outbox import Outbox
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
@@ -34,6 +35,7 @@ from services.core.worker import Rejected, StreamWorker
 from services.models.engine import EngineError, SamplingParams, completions_to_rollout
 from services.models.factory import make_engine
 from services.models.loading import load_causal_lm, load_tokenizer
+from services.models.replicas import ReplicaEngine
 from services.rl.trainer import PolicyTrainer
 
 log = logging.getLogger("rlfleet.actor")
@@ -60,6 +62,8 @@ class Actor:
         self.runtime = ServiceRuntime.from_config(
             cfg, "actor", readiness=self.readiness, status=self.status, on_drain=self.on_drain)
         self.metrics = self.runtime.metrics
+        if isinstance(self.engine, ReplicaEngine):
+            self.metrics.registry.register(ReplicaCollector(self.engine, self.runtime.gpu))
         self.bus: Bus | None = None
         self.worker: StreamWorker | None = None
         self.engine_lock = asyncio.Lock()  # generation vs weight sync
@@ -82,7 +86,12 @@ class Actor:
         w = self.worker
         return {"version": self.version, "checkpoint_version": self.t.checkpoint_version,
                 "backpressure": self.held, "fill_ratio": round(self.fill, 3), "handled": w.handled if w else 0,
-                "outbox": self.outbox.pending()}
+                "outbox": self.outbox.pending(), **self._engine_status()}
+
+    def _engine_status(self) -> dict[str, Any]:
+        if not isinstance(self.engine, ReplicaEngine):
+            return {}
+        return {"engine_replicas": replica_rows(self.engine, self.runtime.gpu)}
 
     async def on_drain(self) -> None:
         # Stop taking prompts and finish the batch in hand, let a running Train finish, then
@@ -297,7 +306,11 @@ class Actor:
         """Fail fast when the engine's own process (generation.process) has died."""
         while self.engine.alive:
             await asyncio.sleep(1.0)
-        raise EngineError("the generation engine's process died; the actor stops so that it is restarted")
+        which = ""
+        if isinstance(self.engine, ReplicaEngine):
+            dead = self.engine.dead_replicas()
+            which = f" (replica {', '.join(map(str, dead))})" if dead else " (the replicas disagree on the version)"
+        raise EngineError(f"the generation engine's process died{which}; the actor stops so that it is restarted")
 
     async def _publish_raw(self, stream: str, data: bytes, headers: dict[str, str]) -> str:
         assert self.bus is not None

@@ -84,13 +84,28 @@ class GenerationSection(_Strict):
     # Run the engine in a child process of the actor: generation then overlaps the policy update
     # without sharing the actor's GIL (weights still move without copies: shared memory or CUDA IPC).
     process: bool = False
+    # Data-parallel engine replicas of the actor, each in its own process (services/models/replicas.py):
+    # the prompts of a message are spread over them and joined in order, with the same per-row seeds.
+    # On a device group of replicas x tensor_parallel_size GPUs each replica gets its own; with fewer
+    # GPUs (tensor_parallel_size 1) replicas share them and split vllm.gpu_memory_utilization.
+    replicas: Annotated[int, Field(ge=1, le=64)] = 1
+    # vLLM's tensor parallelism: GPUs per engine replica (engine vllm only).
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+
+    @model_validator(mode="after")
+    def _parallel_engine(self) -> GenerationSection:
+        if self.tensor_parallel_size > 1 and self.engine != "vllm":
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs engine 'vllm'"
+                             f" (engine '{self.engine}' runs on one device)")
+        return self
 
     def engine_dtype(self, policy_dtype: str) -> str:
         return self.dtype or policy_dtype
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `services.models.factory.make_engine`."""
-        kw: dict[str, Any] = {"device": self.device, "micro_batch": self.micro_batch, "process": self.process}
+        kw: dict[str, Any] = {"device": self.device, "micro_batch": self.micro_batch, "process": self.process,
+                              "replicas": self.replicas, "tensor_parallel_size": self.tensor_parallel_size}
         if self.engine == "vllm":
             kw.update(self.vllm.engine_options())
         return kw
@@ -246,6 +261,7 @@ class RunConfig(_Strict):
                     f"services.{name}.replicas: only the stateless scorers (reward, reference) run as several"
                     f" replicas, got {ep.replicas}"
                 )
+        self._check_engine_replicas()
         ov = self.algo.overlong_buffer_len
         if ov is not None and ov > self.generation.max_new_tokens:
             raise ValueError(f"algo.overlong_buffer_len ({ov}) must be at most generation.max_new_tokens"
@@ -256,6 +272,29 @@ class RunConfig(_Strict):
                 f" batch.prompts_per_message ({self.batch.prompts_per_message})"
             )
         return self
+
+    def _check_engine_replicas(self) -> None:
+        """generation.replicas x tensor_parallel_size against the actor's device group: each replica on
+        GPUs of its own, or (tensor_parallel_size 1) replicas sharing the group's GPUs."""
+        g = self.generation
+        group = self.endpoint("actor").device_group
+        if group is None or (g.replicas == 1 and g.tensor_parallel_size == 1):
+            return
+        gpus = self.actor_gpu_count
+        need = g.replicas * g.tensor_parallel_size
+        if gpus < need and g.tensor_parallel_size > 1:
+            raise ValueError(f"generation.replicas {g.replicas} x tensor_parallel_size {g.tensor_parallel_size} needs"
+                             f" {need} GPUs; the actor's device group '{group}' has {gpus} (replicas share GPUs"
+                             " only with tensor_parallel_size 1)")
+
+    @property
+    def actor_gpu_count(self) -> int:
+        """GPUs of the actor's device group (0 without one): what engine replicas and trainer ranks share."""
+        group = self.endpoint("actor").device_group
+        if group is None:
+            return 0
+        dg = self.devices[group]
+        return len(dg.ids) if dg.ids is not None else (dg.count or 0)
 
     # -- derived -------------------------------------------------------------------------------
     @property

@@ -98,6 +98,23 @@ class GpuMonitor:
     def available(self) -> bool:
         return bool(self._handles)
 
+    def visible(self) -> list[tuple[int, Any]]:
+        """(NVML index, handle) of each GPU this process sees, in CUDA_VISIBLE_DEVICES order."""
+        return list(self._handles)
+
+    def process_memory(self, position: int, pid: int) -> int | None:
+        """GPU memory (bytes) process `pid` holds on the visible GPU at `position`; None when NVML
+        cannot tell (no GPU, no such process there)."""
+        if position >= len(self._handles):
+            return None
+        with self._lock:
+            try:
+                procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handles[position][1])
+            except Exception:  # an unsupported query must not break /metrics
+                return None
+        used = [int(p.usedGpuMemory) for p in procs if int(p.pid) == pid and p.usedGpuMemory is not None]
+        return sum(used) if used else None
+
     def sample(self) -> list[GpuSample]:
         """Read every visible GPU; a device that errors is skipped (and logged once per call)."""
         out: list[GpuSample] = []

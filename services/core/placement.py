@@ -82,9 +82,32 @@ class Plan:
             return ",".join(g.uuid for g in gpus)
         return ",".join(str(g.index) for g in gpus)
 
-    def service_env(self, service: str) -> dict[str, str]:
-        """Environment for running `service` as a host process (what `rlfleet up` can merge in)."""
-        return {"CUDA_VISIBLE_DEVICES": self.cuda_visible_devices(service), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    def gpu_count(self, service: str) -> int:
+        return len(self.gpus_for(service))
+
+    def replica_gpus(self, service: str, replica: int) -> tuple[Gpu, ...]:
+        """The GPUs replica `replica` of a scorer sees: with several replicas on a group of several GPUs,
+        one GPU each (round-robin when there are more replicas than GPUs); otherwise the whole group.
+        The actor and critic are one service process on all of their group's GPUs (their trainer ranks
+        and engine replicas split the group inside the service)."""
+        gpus = self.gpus_for(service)
+        if self.service_replicas.get(service, 1) > 1 and len(gpus) > 1:
+            return (gpus[replica % len(gpus)],)
+        return gpus
+
+    def per_replica_gpu_count(self, service: str) -> int:
+        """GPUs one process (one pod) of `service` needs: Kubernetes' nvidia.com/gpu."""
+        return len(self.replica_gpus(service, 0))
+
+    def service_env(self, service: str, replica: int = 0) -> dict[str, str]:
+        """Environment for running `service` (its replica `replica`) as a host process (what `rlfleet up`
+        merges in): CUDA_VISIBLE_DEVICES lists every GPU the process may use."""
+        gpus = self.replica_gpus(service, replica)
+        if gpus and all(g.uuid for g in gpus):
+            visible = ",".join(g.uuid for g in gpus)
+        else:
+            visible = ",".join(str(g.index) for g in gpus)
+        return {"CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
     # -- output --------------------------------------------------------------------------------------
     def env_lines(self, header: str | None = None) -> list[str]:
@@ -333,7 +356,10 @@ def resolve(devices: Mapping[str, DeviceGroup], services: Mapping[str, Endpoint]
                              f" (got {', '.join(x.describe() for x in gpus)})")
         groups[name] = GroupPlacement(name, gpus, users[name], met)
         for svc in users[name]:
-            if replicas.get(svc, 1) > 1:
+            if replicas.get(svc, 1) > 1 and len(gpus) > 1:
+                each = ", ".join(f"{r}: GPU {gpus[r % len(gpus)].index}" for r in range(replicas[svc]))
+                notes.append(f"{svc}: {replicas[svc]} replicas on group '{name}', one GPU each (replica {each})")
+            elif replicas.get(svc, 1) > 1:
                 notes.append(f"{svc}: {replicas[svc]} replicas share group '{name}'"
                              f" (GPUs {_ids_text(x.index for x in gpus)})")
     return Plan(groups, service_groups, replicas, inventory, unused, tuple(notes))

@@ -10,8 +10,10 @@ Contract every backend keeps (pinned by tests/unit/test_engine_contract.py):
   `max_new_tokens` without a stop token) or "abort" (cut short by `abort()`).
 - `logprobs[i]` is the log-prob of `token_ids[i]` under `log_softmax(logits / temperature)` over the
   full vocabulary, before top-k/top-p filtering (at temperature 0, greedy, under `log_softmax(logits)`).
-- Sampling is seeded by `params.seed`: the same prompts (same order), params and weights give the
-  same completions in every process.
+- Sampling is seeded per row: prompt i of a call draws from its own stream, seeded by
+  (`params.seed`, `params.first_row + i`), so the same prompts, params and weights give the same
+  completions in every process, however the prompts are batched or spread over engine replicas
+  (`services.models.replicas` gives each replica its slice with `first_row` set to where it starts).
 - `pause()` stops new `generate` calls from starting (they block until `resume()`) and returns once
   the calls already in flight have finished. `abort()` makes the calls in flight at that moment
   return early, keeping what they generated, with finish_reason "abort" on unfinished sequences;
@@ -59,6 +61,9 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's EOS
     seed: int = 0
+    # The index of this call's first prompt in the request it is a slice of: prompt i of the call is
+    # seeded as row first_row + i, so a request spread over replicas samples as one call would.
+    first_row: int = 0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -69,6 +74,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.first_row < 0:
+            raise ValueError(f"first_row must be >= 0, got {self.first_row}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
 
@@ -109,6 +116,14 @@ class GenerationEngine(Protocol):
     def alive(self) -> bool: ...
 
     def close(self) -> None: ...
+
+
+_SEED_MOD = 2**63 - 1
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of row `row` of a request seeded with `seed` (distinct per row and per seed)."""
+    return (int(seed) * 1_000_003 + int(row) * 7919 + 1) % _SEED_MOD
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:

@@ -26,6 +26,7 @@ network boundary here.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -58,7 +59,11 @@ class EngineDied(EngineError):
     """The engine's child process exited; the engine cannot serve any more calls."""
 
 
-def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str, Any], threads: int) -> None:
+def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str, Any], threads: int,
+           visible_devices: str | None = None) -> None:
+    if visible_devices is not None:
+        # Before anything touches CUDA: this engine (a replica) sees only its own GPUs.
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     torch.set_num_threads(threads)
     try:
         engine = build_engine(name, Path(path), **kw)
@@ -143,12 +148,18 @@ def _describe(engine: GenerationEngine) -> dict[str, Any]:
 class ProcessEngine:
     """A `GenerationEngine` whose real engine (`name`, built by `build_engine`) lives in a child process."""
 
-    def __init__(self, name: str, model_path: Path, start_timeout_s: float = 900.0, **kw: Any) -> None:
+    def __init__(self, name: str, model_path: Path, start_timeout_s: float = 900.0, *,
+                 visible_devices: str | None = None, label: str = "", threads: int | None = None,
+                 **kw: Any) -> None:
+        """`visible_devices` (CUDA_VISIBLE_DEVICES of the child) pins the engine to its GPUs; `label`
+        names the process (e.g. the replica); `threads` caps the child's CPU threads (default: this
+        process's)."""
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._ctrl, child_ctrl = ctx.Pipe()
-        self._proc = ctx.Process(target=_child, name=f"engine-{name}", daemon=True,
-                                 args=(child_conn, child_ctrl, name, str(model_path), kw, torch.get_num_threads()))
+        self._proc = ctx.Process(target=_child, name=f"engine-{name}{label}", daemon=True,
+                                 args=(child_conn, child_ctrl, name, str(model_path), kw,
+                                       threads or torch.get_num_threads(), visible_devices))
         t0 = time.monotonic()
         self._proc.start()
         child_conn.close()

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from services.models.backends import ENGINE_NAMES, available_engines, build_engine, check_engine_name
-from services.models.engine import GenerationEngine
+from services.models.engine import EngineError, EngineUnavailable, GenerationEngine
 
-__all__ = ["ENGINE_NAMES", "available_engines", "make_engine"]
+__all__ = ["ENGINE_NAMES", "available_engines", "make_engine", "visible_gpus"]
+
+
+def visible_gpus(device: str) -> list[str]:
+    """The GPUs an engine on `device` may use, as CUDA_VISIBLE_DEVICES entries: the variable's own
+    entries when set (`rlfleet up` sets it to the actor's device group), else every GPU torch counts;
+    none for a CPU device."""
+    if not device.startswith("cuda"):
+        return []
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def make_engine(
@@ -19,13 +34,57 @@ def make_engine(
     device: str = "cpu",
     micro_batch: int = 0,
     process: bool = False,
+    replicas: int = 1,
+    tensor_parallel_size: int = 1,
     **options: Any,
 ) -> GenerationEngine:
     """`options` go to the backend (vLLM: gpu_memory_utilization, enforce_eager, max_model_len, ...).
-    `process=True` runs the engine in a child process of its own (`services.models.engine_proc`)."""
+    `process=True` runs the engine in a child process of its own (`services.models.engine_proc`).
+    `replicas` > 1 builds that many engines, each in its own process pinned to its GPUs
+    (`services.models.replicas`), served as one; `tensor_parallel_size` is vLLM's, per replica."""
+    check_engine_name(name)
+    if tensor_parallel_size > 1:
+        if name != "vllm":
+            raise EngineError(f"generation.tensor_parallel_size {tensor_parallel_size} needs engine 'vllm'"
+                              f" (engine {name!r} runs on one device)")
+        # vLLM would start its TP workers, but our weight sync loads the model in the engine's own
+        # process only: the workers would keep the old weights. Refuse rather than train on stale ones.
+        raise EngineUnavailable(
+            f"generation.tensor_parallel_size {tensor_parallel_size}: syncing weights into tensor-parallel vLLM"
+            " workers needs vLLM's NCCL weight-transfer path, which is not built yet (docs/architecture.md,"
+            " \"Engine replicas\"); use replicas with tensor_parallel_size 1")
+    if replicas > 1:
+        return _make_replicas(name, model_path, replicas, tensor_parallel_size, dtype=dtype, device=device,
+                              micro_batch=micro_batch, **options)
     if process:
-        check_engine_name(name)
         from services.models.engine_proc import ProcessEngine
 
         return ProcessEngine(name, model_path, dtype=dtype, device=device, micro_batch=micro_batch, **options)
     return build_engine(name, model_path, dtype=dtype, device=device, micro_batch=micro_batch, **options)
+
+
+def _make_replicas(name: str, model_path: Path, replicas: int, tp: int, **kw: Any) -> GenerationEngine:
+    import torch
+
+    from services.models.engine_proc import ProcessEngine
+    from services.models.replicas import ReplicaEngine, replica_layout
+
+    layout = replica_layout(replicas, tp, visible_gpus(str(kw["device"])))
+    if layout.memory_share < 1.0 and "gpu_memory_utilization" in kw:
+        # Replicas on one GPU split the share the config gives the engine.
+        kw["gpu_memory_utilization"] = float(kw["gpu_memory_utilization"]) * layout.memory_share
+    # CPU replicas split this process's threads instead of each taking all of them.
+    threads = None if any(layout.devices) else max(1, torch.get_num_threads() // replicas)
+    engines: list[GenerationEngine] = []
+    try:
+        for r in range(replicas):
+            pinned = layout.visible_devices(r)
+            # A pinned replica sees its GPUs from index 0 on.
+            rkw = dict(kw, device="cuda") if pinned is not None else kw
+            engines.append(ProcessEngine(name, model_path, visible_devices=pinned, label=f"-replica{r}",
+                                         threads=threads, **rkw))
+    except BaseException:
+        for e in engines:
+            e.close()
+        raise
+    return ReplicaEngine(engines, layout)

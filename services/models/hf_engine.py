@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.models.engine import Completion, EngineError, FinishReason, SamplingParams, check_prompts
+from services.models.engine import Completion, EngineError, FinishReason, SamplingParams, check_prompts, row_seed
 from services.models.gate import CallGate
 from services.models.loading import load_causal_lm, load_tokenizer
 from services.models.logprobs import accepts_kwarg, position_ids_from_mask
@@ -41,9 +41,11 @@ def _output_cache(out: Any) -> Any:
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | Sequence[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row from `[B, V]` logits; returns (tokens [B], their log-probs [B]).
+    `generator` is one stream for every row, or one per row (what the engine uses: a row then draws
+    the same tokens whatever else is in its batch).
 
     The log-prob is taken from `log_softmax(logits / temperature)` over the FULL vocabulary, before
     top-k/top-p filtering: the trainer recomputes log-probs with a plain softmax at the same
@@ -71,7 +73,10 @@ def sample_next(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
     probs = torch.softmax(filtered, dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if isinstance(generator, torch.Generator):
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    else:
+        tokens = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generator)])
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -159,8 +164,8 @@ class TransformersEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         check_prompts(prompts, self._vocab)
         with self._gate.call() as epoch:
-            generator = torch.Generator(device=self._device)
-            generator.manual_seed(params.seed)
+            generators = [torch.Generator(device=self._device).manual_seed(row_seed(params.seed, params.first_row + i))
+                          for i in range(len(prompts))]
             stop = torch.tensor(sorted(set(self._eos) | set(params.stop_token_ids)), device=self._device)
             step = self._micro_batch or max(len(prompts), 1)
             out: list[Completion] = []
@@ -169,7 +174,7 @@ class TransformersEngine:
                 if self._gate.aborted(epoch):
                     out.extend(Completion([], [], "abort") for _ in chunk)
                 else:
-                    out.extend(self._generate_chunk(chunk, params, stop, generator, epoch))
+                    out.extend(self._generate_chunk(chunk, params, stop, generators[start:start + step], epoch))
             return out
 
     @torch.no_grad()
@@ -178,7 +183,7 @@ class TransformersEngine:
         prompts: list[list[int]],
         params: SamplingParams,
         stop: torch.Tensor,
-        generator: torch.Generator,
+        generators: list[torch.Generator],
         epoch: int,
     ) -> list[Completion]:
         b, p, n = len(prompts), max(len(x) for x in prompts), params.max_new_tokens
@@ -214,7 +219,7 @@ class TransformersEngine:
                 **kwargs,
             )
             cache = _output_cache(out)
-            tok, lp = sample_next(out.logits[:, -1, :], params, generator)
+            tok, lp = sample_next(out.logits[:, -1, :], params, generators)
             alive = ~finished
             tok = torch.where(alive, tok, torch.full_like(tok, self._pad))
             tokens.append(tok)

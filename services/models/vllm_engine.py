@@ -15,8 +15,8 @@ The engine keeps the contract of `services.models.engine` (the transformers back
   mode and wraps the worker's sampler (`vllm_adapter.patch_sampler`) so that the "processed" tensor it scores is
   `logits.float() / temperature` taken before any filtering (greedy rows: `logits.float()`). Sampling
   itself is untouched. `scoring` in `describe()` says which path is active.
-- Sampling is seeded per request: row i of a call gets seed `mix(params.seed, i)`, so the same prompts,
-  params and weights give the same completions, and the copies of one prompt in a GRPO group differ.
+- Sampling is seeded per request: row i of a call gets seed `mix(params.seed, params.first_row + i)`, so
+  the same prompts, params and weights give the same completions, and the copies of one prompt in a GRPO group differ.
 - The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so `update_weights` hands
   tensors to the model's own `load_weights` by reference (no serialisation), bucket by bucket, then
   resets the prefix cache: KV blocks cached under the old weights would otherwise be reused for prompts
@@ -308,7 +308,7 @@ class VLLMEngine:
             max_tokens=params.max_new_tokens,
             stop_token_ids=stops,
             ignore_eos=False,
-            seed=request_seed(params.seed, row),
+            seed=request_seed(params.seed, params.first_row + row),  # a replica slice seeds as the whole call
             logprobs=0,  # the sampled token's log-prob only
             flat_logprobs=True,
             detokenize=False,

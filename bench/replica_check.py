@@ -1,0 +1,169 @@
+"""One-H200 check of engine replicas (issue 15): two vLLM engine replicas in one actor share the GPU
+(memory split), both receive each weight sync, and both score like the trainer.
+
+    python -m bench.replica_check --out DIR          # on the GPU host (vLLM installed)
+    BENCH_DRY=1 python -m bench.replica_check --out DIR   # CPU dry run of the script (transformers engine)
+
+It drives exactly the actor's path: `make_engine(..., replicas=2, **generation.engine_kwargs())` builds
+a `ReplicaEngine` of two `ProcessEngine`s, each a child process pinned by CUDA_VISIBLE_DEVICES to the
+one GPU with `gpu_memory_utilization / 2`; weights go in by `update_weights` (CUDA IPC from the
+trainer's tensors), as in `Actor._train_step`. A Qwen2.5-0.5B-shaped model with random weights (bf16)
+is the policy; after each of 3 syncs (a few AdamW steps on a fixed text in between, so the model
+turns peaked) it records, per replica:
+
+- its version (each replica's own, read from its process), so "both received the sync";
+- the max / mean |engine log-prob - trainer log-prob| over its rows of a seeded batch (the trainer's
+  `response_logprobs` on the same tokens, bf16 and fp32 forwards), so "both score like the trainer";
+- greedy completions of the same prompts on both replicas (the prompt set twice, one copy per
+  replica): equal when both hold the same weights;
+- the GPU memory its process holds (NVML) against the GPU's total, so "they share it, split".
+
+Writes DIR/replica-check.json; exit 1 when a check fails (thresholds as in bench/vllm_check.py:
+log-prob max diff <= 0.1 bf16, equal versions, equal greedy completions, each replica under its share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DRY = os.environ.get("BENCH_DRY") == "1"
+WORK = Path(os.environ.get("BENCH_WORK", "/tmp/replica-check-work"))
+SHAPE: dict[str, Any] = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                             intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096,
+                             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1,
+                             eos_token_id=2)
+BATCH, PROMPT_LEN, NEW_TOKENS, SYNCS, UTIL = 64, 32, 64, 3, 0.7
+if DRY:
+    SHAPE.update(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                 intermediate_size=64, vocab_size=512)
+    BATCH, PROMPT_LEN, NEW_TOKENS, SYNCS = 8, 6, 4, 2
+MAX_LOGPROB_DIFF = 0.1
+
+
+def say(*a: Any) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def build_model(path: Path) -> Path:
+    """A random Qwen2 of SHAPE saved with a minimal tokenizer config (no hub access)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from services.models.tokenizer import SPECIAL_TOKENS, build_tokenizer_from_vocab
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    model: Any = Qwen2ForCausalLM(Qwen2Config(**SHAPE))
+    model = model.to(torch.float32 if DRY else torch.bfloat16)
+    model.save_pretrained(path)
+    # <pad> <s> </s> <unk> are ids 0..3 (bos 1, eos 2 as in SHAPE), then one word per remaining id.
+    words = [f"w{i}" for i in range(int(SHAPE["vocab_size"]) - len(SPECIAL_TOKENS))]
+    build_tokenizer_from_vocab(words, "word").save_pretrained(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.replica_check")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from services.actor.engine_metrics import replica_rows
+    from services.core.config import parse_config
+    from services.core.gpu import GpuMonitor
+    from services.core.metrics import ServiceMetrics
+    from services.models.engine import SamplingParams
+    from services.models.factory import make_engine
+    from services.models.loading import load_causal_lm
+    from services.models.logprobs import response_logprobs
+    from services.models.replicas import ReplicaEngine, spread
+
+    device = "cpu" if DRY else "cuda"
+    dtype = "float32" if DRY else "bfloat16"
+    model_path = build_model(WORK / "model")
+    gen = parse_config({"generation": {"engine": "transformers" if DRY else "vllm", "device": device,
+                                       "replicas": 2, "vllm": {"gpu_memory_utilization": UTIL,
+                                                               "max_model_len": 512}}}).generation
+    t0 = time.perf_counter()
+    engine = make_engine(gen.engine, model_path, dtype=dtype, **gen.engine_kwargs())
+    assert isinstance(engine, ReplicaEngine)
+    say(f"2 replicas up in {time.perf_counter() - t0:.1f}s:", json.dumps(engine.describe(), default=str)[:400])
+    policy: Any = load_causal_lm(model_path, dtype="float32", device=device)  # the trainer's copy, fp32 master
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    gpu = GpuMonitor(ServiceMetrics("actor")) if not DRY else None
+    g = torch.Generator().manual_seed(0)
+    hi = int(SHAPE["vocab_size"]) - 10
+    half = [torch.randint(3, hi, (PROMPT_LEN,), generator=g).tolist() for _ in range(BATCH // 2)]
+    prompts = half + half  # rows 0..B/2-1 on replica 0, the same prompts again on replica 1
+    text = torch.randint(3, hi, (1, 128), generator=g).to(device)
+    rounds: list[dict[str, Any]] = []
+    ok = True
+    for version in range(1, SYNCS + 1):
+        for _ in range(5):  # a few SFT steps: the weights move and turn peaked
+            loss = policy(input_ids=text, labels=text).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        t = time.perf_counter()
+        engine.update_weights(policy.state_dict().items(), version)  # the actor's weight sync call
+        sync_s = time.perf_counter() - t
+        versions = [int(r["version"]) for r in engine.replica_stats()]
+        comps = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=version))
+        greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
+        per: list[dict[str, Any]] = []
+        # The trainer scores in fp32 and (on the GPU) in bf16, a copy: the fp32 master stays as it is.
+        forwards: dict[str, Any] = {"float32": policy}
+        if not DRY:
+            forwards["bfloat16"] = copy.deepcopy(policy).to(torch.bfloat16)
+        for r, (lo, hi_) in enumerate(spread(len(prompts), 2)):
+            diffs = {fwd: _logprob_diff(m, prompts[lo:hi_], comps[lo:hi_], device, response_logprobs)
+                     for fwd, m in forwards.items()}
+            per.append({"replica": r, "version": versions[r], "logprob_diff": diffs})
+        same_greedy = [c.token_ids for c in greedy[:BATCH // 2]] == [c.token_ids for c in greedy[BATCH // 2:]]
+        del forwards
+        rows = replica_rows(engine, gpu)
+        mem = [{"replica": x["replica"], "gpus": x.get("gpus", [])} for x in rows]
+        checks = {"versions": versions == [version, version], "greedy_equal_across_replicas": same_greedy,
+                  "logprobs": all(d["max"] <= MAX_LOGPROB_DIFF for p in per for d in p["logprob_diff"].values())}
+        ok = ok and all(checks.values())
+        rounds.append({"version": version, "sync_s": round(sync_s, 3), "replicas": per, "memory": mem,
+                       "checks": checks})
+        say(f"version {version}: sync {sync_s:.2f}s, checks {checks}")
+    total = torch.cuda.get_device_properties(0).total_memory if not DRY and torch.cuda.is_available() else None
+    result = {"ok": ok, "dry": DRY, "replicas": 2, "gpu_memory_utilization": UTIL,
+              "per_replica_share": UTIL / 2, "gpu_total_bytes": total, "rounds": rounds,
+              "describe": engine.describe()}
+    engine.close()
+    (a.out / "replica-check.json").write_text(json.dumps(result, indent=2, default=str))
+    say("ok" if ok else "FAILED", "->", a.out / "replica-check.json")
+    return 0 if ok else 1
+
+
+def _logprob_diff(model: Any, prompts: list[list[int]], comps: list[Any], device: str, fn: Any) -> dict[str, float]:
+    import torch
+
+    from services.models.engine import completions_to_rollout
+
+    r = completions_to_rollout([str(i) for i in range(len(prompts))], prompts, comps, list(range(len(prompts))), 0, 0)
+    with torch.no_grad():
+        lp = fn(model, r.prompt_ids.to(device), r.prompt_mask.to(device), r.response_ids.to(device),
+                r.response_mask.to(device), temperature=1.0).float().cpu()
+    d = (lp - r.behaviour_logprobs).abs()[r.response_mask]
+    if not d.numel():
+        return {"max": 0.0, "mean": 0.0}
+    return {"max": round(float(d.max()), 5), "mean": round(float(d.mean()), 6)}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

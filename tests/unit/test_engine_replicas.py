@@ -1,0 +1,233 @@
+"""ReplicaEngine below the processes: spreading and joining order, seeds per row, the all-or-nothing
+version, fail-fast on a dead replica, and where replicas are placed. Real tiny transformers engines
+in this process (the process-engine replicas are in tests/integration/test_engine_replicas.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.core.config import TinyModelSpec, parse_config
+from services.models.engine import Completion, EngineError, SamplingParams, WeightSyncError
+from services.models.factory import make_engine
+from services.models.hf_engine import TransformersEngine
+from services.models.replicas import ReplicaEngine, ReplicaSetBroken, replica_layout, spread
+from services.models.tiny import build_tiny_model
+from services.models.tokenizer import encode_prompt
+from services.tasks import make_task
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Random init (no warm-up): EOS is rare, so rows run to max_new_tokens and sampling shows.
+    return build_tiny_model(make_task("arithmetic"), TinyModelSpec(warmup_steps=0),
+                            tmp_path_factory.mktemp("rep") / "m", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(model: Path) -> list[list[int]]:
+    from services.models.loading import load_tokenizer
+
+    task, tok = make_task("arithmetic"), load_tokenizer(model)
+    return [encode_prompt(tok, task.prompt(i).text)[: 2 + i % 4] for i in range(7)]
+
+
+def test_spread_gives_contiguous_slices_that_differ_by_one_and_cover_every_row() -> None:
+    assert spread(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert spread(2, 4) == [(0, 1), (1, 2)]  # idle replicas get no empty call
+    assert spread(0, 2) == []
+    for n in range(12):
+        for m in range(1, 5):
+            parts = spread(n, m)
+            assert [i for a, b in parts for i in range(a, b)] == list(range(n))
+            sizes = [b - a for a, b in parts]
+            assert not sizes or max(sizes) - min(sizes) <= 1
+
+
+class _Tagged:
+    """A stand-in replica that answers each prompt with its own first token and the row's seed id,
+    and records what it was asked: the join order and the first_row arithmetic are what is checked."""
+
+    def __init__(self) -> None:
+        self.version, self.eos_token_ids, self.in_flight, self.alive = 0, (0,), 0, True
+        self.calls: list[tuple[int, int]] = []
+        self.fail_update: Exception | None = None
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        self.calls.append((params.first_row, len(prompts)))
+        return [Completion([p[0], params.first_row + i], [0.0, 0.0], "length") for i, p in enumerate(prompts)]
+
+    def update_weights(self, named, version: int) -> None:  # type: ignore[no-untyped-def]
+        if self.fail_update is not None:
+            raise self.fail_update
+        list(named)
+        self.version = version
+
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def abort(self) -> None: ...
+    def close(self) -> None:
+        self.alive = False
+
+
+def test_completions_join_in_request_order_and_each_slice_knows_its_first_row() -> None:
+    reps = [_Tagged(), _Tagged(), _Tagged()]
+    engine = ReplicaEngine(reps)  # type: ignore[arg-type]
+    out = engine.generate([[10 + i] for i in range(8)], SamplingParams(first_row=100))
+    assert [c.token_ids for c in out] == [[10 + i, 100 + i] for i in range(8)]
+    assert [r.calls for r in reps] == [[(100, 3)], [(103, 3)], [(106, 2)]]
+
+
+def test_rows_sample_the_same_on_one_replica_or_three(model: Path, prompts: list[list[int]]) -> None:
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)
+    one = TransformersEngine.from_path(model).generate(prompts, params)
+    three = ReplicaEngine([TransformersEngine.from_path(model) for _ in range(3)]).generate(prompts, params)
+    assert [c.token_ids for c in three] == [c.token_ids for c in one]
+    for a, b in zip(one, three, strict=True):
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    # and the rows of a GRPO group (one prompt repeated) still differ from each other
+    group = TransformersEngine.from_path(model).generate([prompts[0]] * 6, params)
+    assert len({tuple(c.token_ids) for c in group}) > 1
+
+
+def test_weight_sync_reaches_every_replica_before_the_version_moves(model: Path, prompts: list[list[int]]) -> None:
+    reps = [TransformersEngine.from_path(model) for _ in range(2)]
+    engine = ReplicaEngine(reps)
+    policy = TransformersEngine.from_path(model).model
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    seen: list[tuple[int, int, int]] = []
+    entered, release = threading.Event(), threading.Event()
+    real = reps[1].update_weights
+
+    def slow_update(named, version):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(10)
+        real(named, version)
+
+    reps[1].update_weights = slow_update  # type: ignore[method-assign]
+    sync = threading.Thread(target=engine.update_weights, args=(policy.state_dict().items(), 1))
+    sync.start()
+    assert entered.wait(10)
+    # Replica 0 has the new weights, replica 1 not yet: the set still says 0, and a generate waits.
+    assert (reps[0].version, reps[1].version, engine.version) == (1, 0, 0)
+    gen = threading.Thread(target=lambda: seen.append((engine.version, *(r.version for r in reps))))
+    caller = threading.Thread(target=lambda: (engine.generate(prompts[:2], SamplingParams(max_new_tokens=2)),
+                                              gen.start()))
+    caller.start()
+    caller.join(0.3)
+    assert caller.is_alive(), "a generate ran while the replicas held two versions"
+    release.set()
+    sync.join(10)
+    caller.join(10)
+    gen.join(10)
+    assert seen == [(1, 1, 1)]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=5)
+    ref = TransformersEngine(policy, reps[0].eos_token_ids, 0).generate(prompts, greedy)
+    assert [c.token_ids for c in engine.generate(prompts, greedy)] == [c.token_ids for c in ref]
+
+
+def test_a_strict_check_that_fails_changes_no_replica() -> None:
+    reps = [_Tagged(), _Tagged()]
+    engine = ReplicaEngine(reps)  # type: ignore[arg-type]
+    reps[0].fail_update = WeightSyncError("missing: lm_head.weight")
+    with pytest.raises(WeightSyncError):
+        engine.update_weights([], 1)
+    assert engine.version == 0 and engine.alive
+    assert [r.version for r in reps] == [0, 0]
+
+
+def test_a_sync_that_fails_on_one_replica_after_another_took_it_kills_the_set() -> None:
+    reps = [_Tagged(), _Tagged()]
+    engine = ReplicaEngine(reps)  # type: ignore[arg-type]
+    reps[1].fail_update = EngineError("engine process died (exit code -9) during update_weights")
+    with pytest.raises(ReplicaSetBroken, match=r"replicas \[0\].*replica 1"):
+        engine.update_weights([], 1)
+    assert not engine.alive and engine.version == 0
+    with pytest.raises(ReplicaSetBroken):
+        engine.generate([[1]], SamplingParams())
+
+
+def test_one_dead_replica_makes_the_set_dead() -> None:
+    reps = [_Tagged(), _Tagged()]
+    engine = ReplicaEngine(reps)  # type: ignore[arg-type]
+    reps[1].alive = False
+    assert not engine.alive and engine.dead_replicas() == [1]
+
+
+def test_layout_gives_each_replica_its_gpus_or_splits_one_gpu() -> None:
+    own = replica_layout(2, 2, ["GPU-a", "GPU-b", "GPU-c", "GPU-d"])
+    assert own.devices == (("GPU-a", "GPU-b"), ("GPU-c", "GPU-d")) and own.memory_share == 1.0
+    shared = replica_layout(2, 1, ["3"])
+    assert shared.devices == (("3",), ("3",)) and shared.memory_share == 0.5
+    assert shared.visible_devices(1) == "3"
+    cpu = replica_layout(2, 1, [])
+    assert cpu.visible_devices(0) is None
+    with pytest.raises(EngineError, match=r"needs 4 GPUs.*has 2"):
+        replica_layout(2, 2, ["0", "1"])
+    with pytest.raises(EngineError, match="needs 2 GPUs per replica"):
+        replica_layout(1, 2, [])
+
+
+def test_config_checks_replicas_against_the_actors_device_group() -> None:
+    base = {"devices": {"act": {"ids": [0, 1]}}, "services": {"actor": {"device_group": "act"}}}
+    cfg = parse_config({**base, "generation": {"engine": "vllm", "replicas": 2}})
+    assert cfg.actor_gpu_count == 2
+    assert cfg.generation.engine_kwargs()["replicas"] == 2
+    with pytest.raises(Exception, match="replicas 2 x tensor_parallel_size 2 needs 4 GPUs"):
+        parse_config({**base, "generation": {"engine": "vllm", "replicas": 2, "tensor_parallel_size": 2}})
+    with pytest.raises(Exception, match="tensor_parallel_size 2 needs engine 'vllm'"):
+        parse_config({"generation": {"tensor_parallel_size": 2}})
+
+
+def test_tensor_parallel_engines_are_refused_until_their_weight_sync_exists(model: Path) -> None:
+    with pytest.raises(EngineError, match="needs engine 'vllm'"):
+        make_engine("transformers", model, tensor_parallel_size=2)
+    with pytest.raises(EngineError, match="NCCL weight-transfer path, which is not built yet"):
+        make_engine("vllm", model, tensor_parallel_size=2)
+
+
+def test_replica_metrics_carry_the_nvml_index_of_each_replicas_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML cannot run here: a stand-in module answers like a host whose GPUs 2 and 5 the actor sees
+    (CUDA_VISIBLE_DEVICES=2,5); each replica's `gpu` label is the host index, its memory its process's."""
+    import types
+
+    from prometheus_client import generate_latest
+
+    from services.actor.engine_metrics import ReplicaCollector, replica_rows
+    from services.core.gpu import GpuMonitor
+    from services.core.metrics import ServiceMetrics
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    reps = [_Tagged(), _Tagged()]
+    for pid, r in zip((101, 202), reps, strict=True):
+        r.describe = lambda pid=pid: {"engine": "vllm", "process": pid}  # type: ignore[attr-defined]
+    engine = ReplicaEngine(reps, replica_layout(2, 1, ["2", "5"]))  # type: ignore[arg-type]
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 8,
+        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}", nvmlDeviceGetUUID=lambda h: f"GPU-{h}",
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [
+            types.SimpleNamespace(pid=101 if h == "h2" else 202, usedGpuMemory=(3 if h == "h2" else 4) << 30)])
+    m = ServiceMetrics("actor")
+    gpu = GpuMonitor(m, nvml=nvml)
+    engine.generate([[7], [8], [9]], SamplingParams())
+    rows = replica_rows(engine, gpu)
+    assert [r["gpus"] for r in rows] == [[{"gpu": 2, "memory_bytes": 3 << 30}], [{"gpu": 5, "memory_bytes": 4 << 30}]]
+    assert [r["tokens"] for r in rows] == [4, 2]
+    m.registry.register(ReplicaCollector(engine, gpu))
+    text = generate_latest(m.registry).decode()
+    assert 'rlfleet_engine_replica_gpu_memory_bytes{gpu="5",replica="1",service="actor"} 4.294967296e+09' in text
+    assert 'rlfleet_engine_replica_tokens_total{replica="0",service="actor"} 4.0' in text
