@@ -1,9 +1,11 @@
 """Micro-batches of a minibatch: a fixed number of rows, or a token budget, optionally packed.
 
 A token-budget micro-batch holds sequences of similar real length (longest first, so a budget too
-large for the device fails on the first forward, not the last) and is cut to its own width before
-the forward, so padding costs what the lengths in it differ by, not what the rollout's widest row
-set. Packed micro-batches go further: several sequences share a row (`services/rl/packing.py`).
+large for the device fails on the first forward, not the last), each laid out as its real prompt
+then its real response, right-padded to the micro-batch's longest sequence (`services/rl/packing.py`
+with one sequence per row): padding costs what the lengths in it differ by, not what the rollout's
+widest prompt plus its widest response set. Packed micro-batches go further: several sequences share
+a row.
 
 Every plan carries each micro-batch's share of the minibatch loss, so that the accumulated gradient
 equals the whole minibatch's: its share of the masked tokens (`token_mean`) or of the non-empty
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from itertools import pairwise
 
 import torch
 
@@ -32,7 +35,7 @@ class MicroBatch:
     rows: torch.Tensor  # indices into the minibatch
     weight: float  # this micro-batch's share of the minibatch loss
     trim: bool = False  # cut to its own width before the forward
-    bins: list[list[int]] | None = None  # packed: positions in `rows` sharing each row, in order
+    bins: list[list[int]] | None = None  # token budget: positions in `rows` sharing each forward row
 
 
 def real_lengths(r: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,26 +65,53 @@ def _say_oversize(length: int, budget: int) -> None:
                     " (said once)", extra={"tokens": length, "micro_batch_tokens": budget})
 
 
-def budget_groups(plen: torch.Tensor, rlen: torch.Tensor, budget: int) -> list[list[int]]:
-    """Rows longest first, cut where rows x width would pass `budget`; the width of a group is
-    what `trim` leaves: its longest prompt plus its longest response."""
-    order = torch.argsort(plen + rlen, descending=True, stable=True).tolist()
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    mp = mr = 0
-    for i in order:
-        p, r = int(plen[i]), int(rlen[i])
-        np_, nr = max(mp, p), max(mr, r)
-        if cur and (len(cur) + 1) * (np_ + nr) > budget:
-            groups.append(cur)
-            cur, np_, nr = [], p, r
-        if not cur and p + r > budget:
-            _say_oversize(p + r, budget)
-        cur.append(i)
-        mp, mr = np_, nr
-    if cur:
-        groups.append(cur)
-    return groups
+# Above this many rows the exact partition's n x n tables cost more than the padding they save.
+_EXACT_MAX_ROWS = 512
+
+
+def budget_groups(lengths: torch.Tensor, budget: int) -> list[list[int]]:
+    """Rows longest first, in as few micro-batches as `budget` allows (rows x the group's longest
+    length <= budget; filling each group in turn gets the fewest), and among the ways to cut the
+    sorted rows into that many, the one computing the fewest padded tokens (a small dynamic
+    programme, for up to _EXACT_MAX_ROWS rows; greedy filling beyond)."""
+    order = torch.argsort(lengths, descending=True, stable=True)
+    ln = lengths[order].clamp(min=1).tolist()
+    n = len(ln)
+    if n and ln[0] > budget:
+        _say_oversize(int(ln[0]), budget)
+    starts = [0]
+    for i in range(1, n):
+        if (i - starts[-1] + 1) * ln[starts[-1]] > budget:
+            starts.append(i)
+    k = len(starts)
+    if k > 1 and n <= _EXACT_MAX_ROWS:
+        starts = _fewest_padded(torch.tensor(ln, dtype=torch.float64), budget, k)
+    bounds = [*starts, n]
+    idx = order.tolist()
+    return [idx[a:b] for a, b in pairwise(bounds)]
+
+
+def _fewest_padded(ln: torch.Tensor, budget: int, k: int) -> list[int]:
+    """Start positions of `k` contiguous groups of the descending lengths `ln` minimising the slots
+    computed, sum of rows x first length, with each group within `budget` (or a single row)."""
+    n = len(ln)
+    s = torch.arange(n)[:, None]
+    i = torch.arange(n + 1)[None, :]
+    cost = (i - s) * ln[:, None]  # group [s, i) computes (i - s) rows of ln[s] slots
+    ok = (i > s) & ((cost <= budget) | (i - s == 1))
+    cost = torch.where(ok, cost, torch.full_like(cost, float("inf")))
+    f = torch.full((n + 1,), float("inf"), dtype=torch.float64)
+    f[0] = 0.0
+    choice = []
+    for _ in range(k):
+        best, arg = (f[:n, None] + cost).min(dim=0)
+        f = torch.cat([torch.full((1,), float("inf"), dtype=torch.float64), best[1:]])
+        choice.append(arg)
+    starts, end = [], n
+    for arg in reversed(choice):
+        end = int(arg[end])
+        starts.append(end)
+    return starts[::-1]
 
 
 def pack_groups(lengths: torch.Tensor, budget: int) -> list[tuple[list[int], list[list[int]]]]:
@@ -126,8 +156,8 @@ def plan(mb: Rollout, agg: str, size: int = 0, tokens: int = 0, pack: bool = Fal
             chunks = [torch.tensor(rows, dtype=torch.long) for rows, _ in packed]
             bins = [b for _, b in packed]
         else:
-            chunks = [torch.tensor(g, dtype=torch.long) for g in budget_groups(plen, rlen, tokens)]
-            bins = [None] * len(chunks)
+            chunks = [torch.tensor(g, dtype=torch.long) for g in budget_groups(plen + rlen, tokens)]
+            bins = [[[j] for j in range(len(g))] for g in chunks]
     else:
         step = size if 0 < size < n else n
         chunks = [torch.arange(i, min(i + step, n)) for i in range(0, n, step)]

@@ -1,10 +1,13 @@
-"""Packed forwards: several sequences per row, results back in the rollout layout `[B, R]`.
+"""Packed forwards: sequences laid end to end in rows, results back in the rollout layout `[B, R]`.
 
-No attention code here: the row goes in with `attention_mask=None` and position ids restarting at 0
-at each sequence, from which transformers' mask construction (`masking_utils`,
-`find_packed_sequence_indices`) builds a causal mask that never crosses a sequence, for sdpa and
-eager alike. A model whose mask ignores position ids would silently attend across sequences, which
-is why tests/unit/test_rl_packing.py compares packed and unpacked results on the model families used.
+Each sequence is its real prompt tokens then its real response tokens (no left padding), so a row is
+as wide as what it holds. With one sequence per row this is a right-padded batch under a plain causal
+mask. With several, no attention code here either: the row goes in with `attention_mask=None` and
+position ids restarting at 0 at each sequence, from which transformers' mask construction
+(`masking_utils.find_packed_sequence_indices`) builds a causal mask that never crosses a sequence, for
+sdpa and eager alike. A model whose mask ignored position ids would silently attend across sequences,
+which is why tests/unit/test_rl_packing.py compares packed and unpacked results on the model families
+used.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from services.rl.batch import Rollout
 @dataclass(frozen=True)
 class PackedRows:
     input_ids: torch.Tensor  # [N, W]
-    position_ids: torch.Tensor  # [N, W], restarting at 0 at every sequence (and at the padding tail)
+    position_ids: torch.Tensor  # [N, W], restarting at 0 at every sequence; the padding tail runs on
     src_row: torch.Tensor  # [K] packed row of the position predicting each real response token
     src_col: torch.Tensor  # [K] its column
     dst_row: torch.Tensor  # [K] that token's rollout row
@@ -48,7 +51,7 @@ def pack_rows(r: Rollout, bins: list[list[int]], pad_id: int = 0) -> PackedRows:
     pos = torch.zeros((len(bins), width), dtype=torch.long)
     src_row, src_col, dst_row, dst_col, tgt = [], [], [], [], []
     for k, (b, row) in enumerate(zip(bins, seqs, strict=True)):
-        col = 0
+        col = n = 0
         for i, (p, q, cols) in zip(b, row, strict=True):
             n = len(p) + len(q)
             ids[k, col : col + n] = torch.cat([p, q])
@@ -59,7 +62,9 @@ def pack_rows(r: Rollout, bins: list[list[int]], pad_id: int = 0) -> PackedRows:
             dst_col.append(cols)
             tgt.append(q)
             col += n
-        pos[k, col:] = torch.arange(width - col)  # the tail is a sequence of its own, never attended to
+        # The tail continues the last sequence (causal: nothing real attends to it), so a row holding
+        # one sequence is no packed row to transformers, which keeps sdpa's plain causal path.
+        pos[k, col:] = torch.arange(width - col) + n
 
     def cat(xs: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(xs).long() if xs else torch.zeros(0, dtype=torch.long)

@@ -24,12 +24,11 @@ def _model() -> Qwen2ForCausalLM:
 
 def _rollout(b: int = 8, p: int = 4, r: int = 5) -> Rollout:
     g = torch.Generator().manual_seed(1)
-    resp_mask = torch.ones(b, r, dtype=torch.bool)
-    for i in range(b):  # ragged responses, one of them empty
-        resp_mask[i, (i * 2) % (r + 1):] = False
-    prompt_mask = torch.ones(b, p, dtype=torch.bool)
-    for i in range(b):  # ragged left padding: 0 to 2 columns
-        prompt_mask[i, : (i * 5) % 3] = False
+    # Ragged prompts (left padding) and responses (right padding), one response empty: real lengths
+    # 4, 4, 8, 5, 3, 7, 9, 5, so a 9-wide packed row holds a 5 and a 4.
+    plen, rlen = [4, 2, 3, 4, 1, 3, 4, 2], [0, 2, 5, 1, 2, 4, 5, 3]
+    prompt_mask = torch.arange(p)[None, :] >= p - torch.tensor(plen[:b])[:, None]
+    resp_mask = torch.arange(r)[None, :] < torch.tensor(rlen[:b])[:, None]
     return Rollout(
         task_ids=[f"t{i}" for i in range(b)],
         prompt_ids=torch.randint(1, 40, (b, p), generator=g), prompt_mask=prompt_mask,
@@ -60,9 +59,9 @@ def _sgd_delta(trainer: PolicyTrainer | ValueTrainer, run) -> list[torch.Tensor]
 
 
 AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
-# The whole minibatch at once, then 3 rows at a time, a 14-token budget (several micro-batches, each
-# cut to its own width: rows of 1 to 9 real tokens in a 4 + 5 wide rollout), and the same packed.
-SPLITS = [{"micro_batch_size": 3}, {"micro_batch_tokens": 14}, {"micro_batch_tokens": 14, "pack_sequences": True}]
+# The whole minibatch at once, then 3 rows at a time, an 18-token budget (several micro-batches, each
+# cut to its own width), and the same packed (two 9-wide rows per micro-batch, some holding two sequences).
+SPLITS = [{"micro_batch_size": 3}, {"micro_batch_tokens": 18}, {"micro_batch_tokens": 18, "pack_sequences": True}]
 
 
 @pytest.mark.parametrize("agg", AGGS)
