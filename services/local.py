@@ -98,7 +98,8 @@ def run_local(
     reward = RewardScorer(task, tok, model_path=reward_model_path(cfg))
     reference = (
         ReferenceScorer(load_causal_lm(roles.policy_path, dtype=dtype, device=cfg.endpoint("reference").device),
-                        cfg.generation.temperature, micro_batch=cfg.algo.micro_batch_size)
+                        cfg.generation.temperature, micro_batch=cfg.algo.micro_batch_size,
+                        micro_tokens=cfg.algo.micro_batch_tokens, pack=cfg.algo.pack_sequences)
         if cfg.algo.needs_reference else None
     )
     trainer = PolicyTrainer(policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
@@ -140,11 +141,8 @@ def run_local(
                 components.setdefault(name, []).extend(values.tolist())
             if reference is not None:
                 part.ref_logprobs = reference.score(part)
-            if critic is not None:
-                with torch.no_grad():
-                    on = part.to(next(critic.parameters()).device)
-                    part.values = critic.values(on.prompt_ids, on.prompt_mask, on.response_ids,
-                                                on.response_mask).cpu()
+            if critic_trainer is not None:
+                part.values = critic_trainer.score(part)
         r = rb.concat(parts, pad_id=tok.pad_token_id)  # type: ignore[attr-defined]
         t_score = time.perf_counter()
         stats = compute_advantages(r, cfg.algo, cfg.generation.max_new_tokens)

@@ -62,6 +62,13 @@ class AlgoSection(_Strict):
     # per minibatch) and of the reference and critic scorers; 0 means a whole minibatch or message
     # at once. Bounds the [micro, tokens, vocab] log-prob tensors on large vocabularies.
     micro_batch_size: Annotated[int, Field(ge=0)] = 0
+    micro_batch_tokens: Annotated[int, Field(ge=0)] = 0
+    """Token budget per forward pass instead of a row count (0: off; excludes micro_batch_size):
+    sequences of similar length share a micro-batch, rows x its width <= budget, each cut to its
+    own width, so padding costs what lengths differ by, not the rollout's widest row."""
+    pack_sequences: bool = False
+    """With micro_batch_tokens: several sequences per row (positions restart, attention never
+    crosses a sequence), which removes most of the remaining padding."""
     lr: Annotated[float, Field(gt=0)] = 1e-4
     critic_lr: Annotated[float, Field(gt=0)] = 1e-3
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
@@ -82,6 +89,10 @@ class AlgoSection(_Strict):
     def _groups(self) -> AlgoSection:
         if self.name in GROUP_ALGOS and self.group_size < 2:
             raise ValueError(f"{self.name} needs group_size >= 2 (got {self.group_size})")
+        if self.micro_batch_tokens and self.micro_batch_size:
+            raise ValueError("micro_batch_size and micro_batch_tokens exclude each other: set one, the other 0")
+        if self.pack_sequences and not self.micro_batch_tokens:
+            raise ValueError("pack_sequences needs micro_batch_tokens > 0 (the token budget of a packed micro-batch)")
         return self
 
     @property

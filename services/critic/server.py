@@ -38,14 +38,8 @@ class Critic:
     def version(self) -> int:
         return self.t.version
 
-    @torch.no_grad()
     def score(self, r: Rollout) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        parts = []
-        for idx in torch.arange(len(r)).split(self.cfg.algo.micro_batch_size or len(r)):
-            mb = r.select(idx).to(device)
-            parts.append(self.model.values(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask).cpu())
-        return torch.cat(parts)
+        return self.trainer.score(r)
 
     async def train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:
         res = await self.t.train(request, context, require=("returns", "values"), apply=self._train_step)

@@ -7,24 +7,29 @@ from torch import nn
 
 from services.models.logprobs import response_logprobs
 from services.rl.batch import Rollout
+from services.rl.micro import score_rows
+from services.rl.packing import packed_logprobs
 
 
 class ReferenceScorer:
-    def __init__(self, model: nn.Module, temperature: float, micro_batch: int = 0) -> None:
+    """`micro_batch` rows or `micro_tokens` tokens (packed with `pack`) per forward, as the trainers'
+    `algo.micro_batch_size`, `micro_batch_tokens` and `pack_sequences`."""
+
+    def __init__(self, model: nn.Module, temperature: float, micro_batch: int = 0, micro_tokens: int = 0,
+                 pack: bool = False) -> None:
         self.model = model.eval().requires_grad_(False)
         self.temperature = temperature
-        self.micro_batch = micro_batch
+        self.micro_batch, self.micro_tokens, self.pack = micro_batch, micro_tokens, pack
         self.device = next(model.parameters()).device
+
+    def _plain(self, mb: Rollout) -> torch.Tensor:
+        return response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                 temperature=self.temperature)
+
+    def _packed(self, mb: Rollout, bins: list[list[int]]) -> torch.Tensor:
+        return packed_logprobs(self.model, mb, bins, temperature=self.temperature)[0]
 
     @torch.no_grad()
     def score(self, r: Rollout) -> torch.Tensor:
-        size = self.micro_batch or len(r)
-        parts = []
-        for idx in torch.arange(len(r)).split(size):
-            mb = r.select(idx).to(self.device)
-            out = response_logprobs(
-                self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                temperature=self.temperature,
-            )
-            parts.append((out if isinstance(out, torch.Tensor) else out[0]).cpu())
-        return torch.cat(parts)
+        return score_rows(r, self.device, self._plain, self._packed, size=self.micro_batch,
+                          tokens=self.micro_tokens, pack=self.pack)

@@ -14,5 +14,7 @@ def serve(cfg: RunConfig) -> None:
     assert cfg.models.policy.path is not None, "the launcher resolves models.policy.path"
     model = load_causal_lm(Path(cfg.models.policy.path), dtype=cfg.models.policy.dtype,
                            device=cfg.endpoint("reference").device)
-    scorer = ReferenceScorer(model, cfg.generation.temperature, micro_batch=cfg.algo.micro_batch_size)
+    a = cfg.algo
+    scorer = ReferenceScorer(model, cfg.generation.temperature, micro_batch=a.micro_batch_size,
+                             micro_tokens=a.micro_batch_tokens, pack=a.pack_sequences)
     ScoringService(cfg, "reference", scorer.score).run()

@@ -13,6 +13,8 @@ from services.models.critic import ValueModel
 from services.models.logprobs import response_logprobs
 from services.rl.batch import Rollout
 from services.rl.losses import aggregate, kl_loss, policy_loss, value_loss
+from services.rl.micro import MicroBatch, part_of, plan, score_rows
+from services.rl.packing import packed_logprobs, packed_values
 
 
 def _minibatches(n: int, size: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -44,20 +46,12 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def micro_weights(mb: Rollout, micro: int, agg: str) -> list[tuple[torch.Tensor, float]]:
-    """Split a minibatch into micro-batches of `micro` rows with the weight each micro-batch's loss
-    gets so that the accumulated gradient equals the whole minibatch's: its share of the masked
-    tokens (`token_mean`) or of the non-empty responses (`seq_mean_*`)."""
-    n = len(mb)
-    step = micro if 0 < micro < n else n
-    chunks = [torch.arange(i, min(i + step, n)) for i in range(0, n, step)]
-    if len(chunks) == 1:
-        return [(chunks[0], 1.0)]
-    m = mb.response_mask.bool()
-    units = m.sum(dim=1) if agg == "token_mean" else m.any(dim=1).long()
-    total = int(units.sum())
-    if total == 0:
-        return [(c, 1.0 / len(chunks)) for c in chunks]
-    return [(c, int(units[c].sum()) / total) for c in chunks]
+    """Micro-batches of `micro` rows and their loss weights (`services.rl.micro.plan`)."""
+    return [(m.rows, m.weight) for m in plan(mb, agg, size=micro)]
+
+
+def micro_plan(mb: Rollout, algo: AlgoSection) -> list[MicroBatch]:
+    return plan(mb, algo.loss_agg, algo.micro_batch_size, algo.micro_batch_tokens, algo.pack_sequences)
 
 
 class PolicyTrainer:
@@ -77,7 +71,11 @@ class PolicyTrainer:
             [p for p in model.parameters() if p.requires_grad], lr=algo.lr, weight_decay=0.0
         )
 
-    def _logprobs(self, r: Rollout, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(self, r: Rollout, with_entropy: bool,
+                  bins: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if bins is not None:
+            return packed_logprobs(self.model, r, bins, temperature=self.temperature, with_entropy=with_entropy,
+                                   entropy_grad=self.algo.entropy_coef > 0)
         out = response_logprobs(
             self.model, r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask,
             temperature=self.temperature, with_entropy=with_entropy,
@@ -97,13 +95,16 @@ class PolicyTrainer:
         # A fully on-policy batch skips the extra forward: proximal and behaviour are the same weights.
         versions = r.versions if r.versions is not None else torch.full((len(r),), r.version)
         off_policy = algo.decoupled and bool((versions < current_version).any())
-        chunk = algo.micro_batch_size or algo.minibatch_size
+        # A response's sum is divided by one constant whatever width its micro-batch is cut to.
+        norm_len = algo.loss_norm_len or r.response_ids.shape[1]
         if off_policy:
             with torch.no_grad():
-                old = torch.cat([
-                    self._logprobs(r.select(idx).to(self.device), False)[0].cpu()
-                    for idx in torch.arange(len(r)).split(chunk)
-                ])
+                old = score_rows(
+                    r, self.device, lambda p: self._logprobs(p, False)[0],
+                    lambda p, bins: self._logprobs(p, False, bins)[0],
+                    size=algo.micro_batch_size or algo.minibatch_size, tokens=algo.micro_batch_tokens,
+                    pack=algo.pack_sequences,
+                )
             behaviour: torch.Tensor | None = r.behaviour_logprobs
         else:
             old, behaviour = r.behaviour_logprobs, None
@@ -115,25 +116,26 @@ class PolicyTrainer:
                 mb = r.select(idx)
                 self.opt.zero_grad(set_to_none=True)
                 sums: dict[str, float] = defaultdict(float)
-                for sub, w in micro_weights(mb, algo.micro_batch_size, algo.loss_agg):
-                    part = mb.select(sub).to(self.device)
-                    rows = idx[sub]
-                    logp, ent = self._logprobs(part, with_entropy=True)
+                for m in micro_plan(mb, algo):
+                    w = m.weight
+                    part = part_of(mb, m).to(self.device)
+                    rows, width = idx[m.rows], part.response_ids.shape[1]
+                    logp, ent = self._logprobs(part, with_entropy=True, bins=m.bins)
                     loss, st = policy_loss(
-                        logp, old[rows].to(self.device), part.advantages, part.response_mask,  # type: ignore[arg-type]
+                        logp, old[rows, :width].to(self.device), part.advantages, part.response_mask,  # type: ignore[arg-type]
                         clip_eps=algo.clip_eps, clip_eps_high=algo.clip_eps_high, agg=algo.loss_agg,
-                        behaviour_logp=None if behaviour is None else behaviour[rows].to(self.device),
+                        behaviour_logp=None if behaviour is None else behaviour[rows, :width].to(self.device),
                         behaviour_weight_cap=algo.behaviour_weight_cap, ratio_level=algo.ratio_level,
-                        dual_clip_c=algo.dual_clip_c, norm_len=algo.loss_norm_len,
+                        dual_clip_c=algo.dual_clip_c, norm_len=norm_len,
                     )
                     sums["policy_loss"] += w * float(loss.detach())
                     if algo.kl_coef > 0 and algo.kl_in == "loss" and part.ref_logprobs is not None:
                         kl = kl_loss(logp, part.ref_logprobs, part.response_mask, algo.kl_estimator, algo.loss_agg,
-                                     clamp=algo.kl_clamp, norm_len=algo.loss_norm_len)
+                                     clamp=algo.kl_clamp, norm_len=norm_len)
                         loss = loss + algo.kl_coef * kl
                         sums["kl_loss"] += w * float(kl.detach())
                     assert ent is not None
-                    entropy = aggregate(ent, part.response_mask, algo.loss_agg, algo.loss_norm_len)
+                    entropy = aggregate(ent, part.response_mask, algo.loss_agg, norm_len)
                     if algo.entropy_coef > 0:
                         loss = loss - algo.entropy_coef * entropy
                     (loss * w).backward()
@@ -164,24 +166,38 @@ class ValueTrainer:
             [p for p in model.parameters() if p.requires_grad], lr=algo.critic_lr, weight_decay=0.0
         )
 
+    def values(self, r: Rollout, bins: list[list[int]] | None = None) -> torch.Tensor:
+        if bins is not None:
+            return packed_values(self.model, r, bins)
+        return self.model.values(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+
+    @torch.no_grad()
+    def score(self, r: Rollout) -> torch.Tensor:
+        """The critic's values for a rollout `[B, R]` (CPU), micro-batched as the trainer's forwards."""
+        a = self.algo
+        return score_rows(r, self.device, self.values, self.values, size=a.micro_batch_size,
+                          tokens=a.micro_batch_tokens, pack=a.pack_sequences)
+
     def train_step(self, r: Rollout, step: int) -> dict[str, float]:
         if r.returns is None or r.values is None:
             raise ValueError("value training needs returns and the old values")
         algo = self.algo
         self.model.train()
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + 7)
+        norm_len = algo.loss_norm_len or r.response_ids.shape[1]
         acc: dict[str, list[float]] = defaultdict(list)
         for _ in range(algo.ppo_epochs):
             for idx in _minibatches(len(r), algo.minibatch_size, gen):
                 mb = r.select(idx)
                 self.opt.zero_grad(set_to_none=True)
                 sums: dict[str, float] = defaultdict(float)
-                for sub, w in micro_weights(mb, algo.micro_batch_size, algo.loss_agg):
-                    part = mb.select(sub).to(self.device)
-                    v = self.model.values(part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
+                for m in micro_plan(mb, algo):
+                    w = m.weight
+                    part = part_of(mb, m).to(self.device)
+                    v = self.values(part, m.bins)
                     loss, st = value_loss(
                         v, part.values, part.returns, part.response_mask, clip=algo.value_clip,  # type: ignore[arg-type]
-                        agg=algo.loss_agg, norm_len=algo.loss_norm_len,
+                        agg=algo.loss_agg, norm_len=norm_len,
                     )
                     (loss * w).backward()
                     sums["value_loss"] += w * float(loss.detach())

@@ -1,4 +1,5 @@
-"""PolicyTrainer / ValueTrainer: micro-batching accumulates exactly the minibatch's gradient."""
+"""PolicyTrainer / ValueTrainer: micro-batching (by rows, by token budget, packed) accumulates exactly
+the minibatch's gradient."""
 
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ def _model() -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(cfg).to(torch.float64).eval()
 
 
-def _rollout(b: int = 8, p: int = 3, r: int = 5) -> Rollout:
+def _rollout(b: int = 8, p: int = 4, r: int = 5) -> Rollout:
     g = torch.Generator().manual_seed(1)
-    resp_mask = torch.ones(b, r, dtype=torch.bool)
-    for i in range(b):  # ragged responses, one of them empty
-        resp_mask[i, (i * 2) % (r + 1):] = False
-    prompt_mask = torch.ones(b, p, dtype=torch.bool)
-    prompt_mask[0, 0] = False  # left padding
+    # Ragged prompts (left padding) and responses (right padding), one response empty: real lengths
+    # 4, 4, 8, 5, 3, 7, 9, 5, so a 9-wide packed row holds a 5 and a 4.
+    plen, rlen = [4, 2, 3, 4, 1, 3, 4, 2], [0, 2, 5, 1, 2, 4, 5, 3]
+    prompt_mask = torch.arange(p)[None, :] >= p - torch.tensor(plen[:b])[:, None]
+    resp_mask = torch.arange(r)[None, :] < torch.tensor(rlen[:b])[:, None]
     return Rollout(
         task_ids=[f"t{i}" for i in range(b)],
         prompt_ids=torch.randint(1, 40, (b, p), generator=g), prompt_mask=prompt_mask,
@@ -57,27 +58,40 @@ def _sgd_delta(trainer: PolicyTrainer | ValueTrainer, run) -> list[torch.Tensor]
     return [b - p.detach() for b, p in zip(before, params, strict=True)]
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+# The whole minibatch at once, then 3 rows at a time, an 18-token budget (several micro-batches, each
+# cut to its own width), and the same packed (two 9-wide rows per micro-batch, some holding two sequences).
+SPLITS = [{"micro_batch_size": 3}, {"micro_batch_tokens": 18}, {"micro_batch_tokens": 18, "pack_sequences": True}]
+
+
+@pytest.mark.parametrize("agg", AGGS)
 def test_micro_batches_accumulate_the_minibatch_gradient(agg: str) -> None:
     r = _rollout()
     deltas = []
-    for micro in (0, 3):
-        algo = AlgoSection(name="grpo", minibatch_size=8, micro_batch_size=micro, loss_agg=agg,  # type: ignore[arg-type]
-                           kl_coef=0.1, kl_in="loss", entropy_coef=0.01, max_grad_norm=1e9)
-        t = PolicyTrainer(copy.deepcopy(_model()), algo, temperature=1.0)
-        deltas.append(_sgd_delta(t, lambda t=t: t.train_step(r, step=0, current_version=0)))
-    _assert_same_update(*deltas)
+    for split in [{}, *SPLITS]:
+        # versions < current_version: the proximal log-probs are recomputed through the same plan.
+        algo = AlgoSection(name="grpo", minibatch_size=8, loss_agg=agg,  # type: ignore[arg-type]
+                           kl_coef=0.1, kl_in="loss", entropy_coef=0.01, max_grad_norm=1e9, **split)
+        t = PolicyTrainer(copy.deepcopy(_model()), algo, temperature=0.7)
+        deltas.append(_sgd_delta(t, lambda t=t: t.train_step(r, step=0, current_version=1)))
+    for d in deltas[1:]:
+        _assert_same_update(deltas[0], d)
 
 
-def test_value_micro_batches_accumulate_the_minibatch_gradient() -> None:
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_sum_norm"])
+def test_value_micro_batches_accumulate_the_minibatch_gradient(agg: str) -> None:
     r = _rollout()
-    deltas = []
-    for micro in (0, 3):
-        algo = AlgoSection(name="ppo", minibatch_size=8, micro_batch_size=micro, max_grad_norm=1e9)
+    deltas, scores = [], []
+    for split in [{}, *SPLITS]:
+        algo = AlgoSection(name="ppo", minibatch_size=8, max_grad_norm=1e9, loss_agg=agg, **split)  # type: ignore[arg-type]
         torch.manual_seed(0)
         t = ValueTrainer(ValueModel(_model().model.float()), algo)
+        torch.nn.init.normal_(t.model.value_head.weight)  # a zero head scores every plan the same
+        scores.append(t.score(r))
         deltas.append(_sgd_delta(t, lambda t=t: t.train_step(r, step=0)))
-    _assert_same_update(*deltas, tol=1e-4)
+    for d, v in zip(deltas[1:], scores[1:], strict=True):
+        _assert_same_update(deltas[0], d, tol=1e-4)
+        torch.testing.assert_close(v, scores[0], atol=1e-5, rtol=0)
 
 
 def test_micro_weights_split_by_tokens_or_responses() -> None:
