@@ -65,8 +65,10 @@ def apply_lora(model: nn.Module, spec: LoraSpec, seed: int) -> PeftModel:
     """`model` with fresh LoRA adapters (B = 0, so it scores exactly like `model`). A's random init
     is drawn from `seed` on a forked generator: the fleet's actor and the local loop start equal,
     and nobody else's random stream moves."""
-    from peft import LoraConfig, get_peft_model
-
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError(f"{FIELD}: LoRA needs the peft package: pip install 'rlfleet[lora]'") from None
     check_targets(model, spec)
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,  # type: ignore[arg-type]
                         target_modules=spec.target_modules, bias="none", task_type="CAUSAL_LM")
