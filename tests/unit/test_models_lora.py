@@ -14,6 +14,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from services.core.config import AlgoSection, ConfigError, LoraSpec, parse_config
+from services.core.trainable import Trainable, WeightsRefused
 from services.models.checkpoint import CheckpointMismatch, load_latest, save_checkpoint
 from services.models.engine import SamplingParams, WeightSyncError
 from services.models.export import ExportError, export_model, record_local_config
@@ -65,6 +66,7 @@ def test_a_lora_step_moves_the_adapters_and_nothing_else(checkpointing: bool) ->
     model = apply_lora(_tiny(), SPEC, seed=0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = _train(model, gradient_checkpointing=checkpointing)
+    assert model.get_base_model().is_activation_checkpointing == checkpointing  # enabled through the peft wrapper
     check_only_adapters_train(model, trainer.opt)
     moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     adapters = {n for n in before if "lora_" in n}
@@ -142,6 +144,22 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path: 
     # A full-model (non-LoRA) policy cannot load an adapter checkpoint: a mismatch, not a silent load.
     with pytest.raises(CheckpointMismatch):
         load_latest(tmp_path, "actor", _tiny(), None)
+
+
+def test_update_weights_loads_a_lora_checkpoint_and_refuses_a_plain_model_dir(tmp_path: Path) -> None:
+    src = apply_lora(_tiny(), SPEC, seed=0)
+    trainer = _train(src, steps=2)
+    ckpt = save_checkpoint(tmp_path / "ckpt", "actor", 2, 2, src, trainer.opt)
+    dst = apply_lora(_tiny(), SPEC, seed=5)
+    t = Trainable(parse_config({"run": {"dir": str(tmp_path / "run")}}), "actor", dst,
+                  PolicyTrainer(dst, ALGO, temperature=1.0).opt)
+    assert t.load_weights(ckpt, 2) == 2
+    a, b = src.state_dict(), dst.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    plain = tmp_path / "plain"
+    _tiny().save_pretrained(plain)
+    with pytest.raises(WeightsRefused, match="loads its adapters from its own checkpoints only"):
+        t.load_weights(plain, 3)
 
 
 def test_adapter_weights_that_do_not_fit_are_refused_naming_them() -> None:
