@@ -29,7 +29,9 @@ from services.models.lora import (
     load_adapter_state,
     load_policy,
 )
+from services.preflight import PreflightError, check_models
 from services.rl.trainer import PolicyTrainer
+from services.tasks import load_task
 from tests.fleet_helpers import tiny_config
 from tests.unit.test_rl_trainer import _rollout
 
@@ -227,3 +229,16 @@ def test_exports_merged_and_adapter_load_and_score_like_the_trainer(tiny_model: 
     with pytest.raises(ExportError, match="trained no LoRA adapter"):
         export_model(full.run_dir, tmp_path / "nope", lora="adapter")
 
+
+
+def test_preflight_names_a_lora_target_the_model_has_no_module_for(tiny_model: Path, tmp_path: Path) -> None:
+    def cfg(targets: list[str]):  # type: ignore[no-untyped-def]
+        data = tiny_config(tmp_path / "run", tiny_model).model_dump(mode="json")
+        data["models"]["policy"]["lora"] = {"target_modules": targets}
+        return parse_config(data)
+
+    good = cfg(["q_proj", "down_proj"])
+    check_models(good, load_task(good.task))
+    bad = cfg(["q_proj", "qkv_proj"])
+    with pytest.raises(PreflightError, match="has no module named 'qkv_proj'"):
+        check_models(bad, load_task(bad.task))
