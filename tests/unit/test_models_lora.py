@@ -99,6 +99,18 @@ def test_merged_weights_are_peft_merge_and_unload_under_the_base_names() -> None
     assert all(torch.equal(v, trainer_before[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_merge_rounds_as_peft_does(dtype: torch.dtype) -> None:
+    model = apply_lora(_tiny().to(dtype), SPEC, seed=0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+    got = dict(engine_weights(model))
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert all(got[k].dtype == want[k].dtype == dtype and torch.equal(got[k], want[k]) for k in want)
+
+
 def test_the_engine_after_a_sync_scores_like_the_merged_trainer(tiny_model: Path) -> None:
     spec = parse_config({"models": {"policy": {"path": str(tiny_model), "lora": {"r": 4}}}}).models.policy
     policy = load_policy(spec, tiny_model, "cpu", seed=0)
