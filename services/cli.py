@@ -268,7 +268,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from services.models.export import export_main
 
     quiet_torch()
-    return export_main(args.run_dir, args.out, version=args.version, base=args.base)
+    return export_main(args.run_dir, args.out, version=args.version, base=args.base, lora=args.lora)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--version", type=int, default=None, help="the actor checkpoint version (default: the latest)")
     ex.add_argument("--base", default=None,
                     help="the model directory the run started from (default: RUN_DIR/fleet.yaml's or RUN_DIR/models)")
+    ex.add_argument("--lora", choices=["merged", "adapter"], default="merged",
+                    help="a LoRA run's export: the base with the adapters merged (default) or the peft adapter dir")
     ex.set_defaults(fn=_cmd_export)
     return p
 

@@ -20,6 +20,7 @@ from services.models.engine import GenerationEngine, SamplingParams, completions
 from services.models.export import export_final, record_local_config
 from services.models.factory import make_engine
 from services.models.loading import load_causal_lm
+from services.models.lora import check_only_adapters_train, engine_weights, load_policy
 from services.models.roles import critic_path, prepare, reward_model_path
 from services.reference.scorer import ReferenceScorer
 from services.reward.scorer import RewardScorer
@@ -92,7 +93,7 @@ def run_local(
     roles = prepare(cfg)
     task, tok = roles.task, roles.tokenizer
     dtype = cfg.models.policy.dtype
-    policy = load_causal_lm(roles.policy_path, dtype=dtype, device=cfg.endpoint("actor").device)
+    policy = load_policy(cfg.models.policy, roles.policy_path, cfg.endpoint("actor").device, cfg.run.seed)
     engine = make_engine(cfg.generation.engine, roles.policy_path, dtype=cfg.generation.engine_dtype(dtype),
                          **cfg.generation.engine_kwargs())
     reward = RewardScorer(task, tok, model_path=reward_model_path(cfg))
@@ -104,6 +105,8 @@ def run_local(
     )
     trainer = PolicyTrainer(policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
                             gradient_checkpointing=cfg.models.policy.gradient_checkpointing)
+    if cfg.models.policy.lora is not None:
+        check_only_adapters_train(policy, trainer.opt)
     critic = critic_trainer = None
     if cfg.algo.needs_critic:
         from services.models.critic import ValueModel
@@ -150,7 +153,7 @@ def run_local(
         if critic_trainer is not None:
             stats.update(critic_trainer.train_step(r, step=step))
         version += 1
-        engine.update_weights(policy.state_dict().items(), version)
+        engine.update_weights(engine_weights(policy), version)
         if step + 1 == cfg.run.max_steps or version % cfg.checkpoint.every == 0:
             save_checkpoint(cfg.checkpoint_dir, "actor", version, step + 1, policy, trainer.opt)
             prune(cfg.checkpoint_dir, "actor", keep=cfg.checkpoint.keep)

@@ -149,10 +149,43 @@ def _check_tokenizer(path: Path, cfg: RunConfig, task: Any) -> None:
                              " the tokenizer does not fit this task")
 
 
+def _weight_names(path: Path) -> list[str]:
+    """The tensor names of a model directory's safetensors weights, from the headers alone."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return list(_read_json(index).get("weight_map", {}))
+    names: list[str] = []
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with f.open("rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size)) if 0 < size < 100_000_000 else {}
+        except (OSError, ValueError):
+            continue  # loading reports a damaged file
+        names += [k for k in header if k != "__metadata__"]
+    return names
+
+
+def _check_lora_targets(path: Path, cfg: RunConfig) -> None:
+    """A LoRA target no weight of the model is under fails here, in a second; the service checks
+    the rest (that it is a linear layer) when it loads the model."""
+    lora = cfg.models.policy.lora
+    if lora is None or lora.target_modules == "all-linear":
+        return
+    modules = {part for name in _weight_names(path) for part in name.split(".")[:-1]}
+    if not modules:
+        return
+    for target in lora.target_modules:
+        if target not in modules:
+            raise PreflightError(f"models.policy.lora.target_modules: the model in {path} has no module named"
+                                 f" {target!r}: name its linear layers (e.g. q_proj, v_proj) or use all-linear")
+
+
 def check_models(cfg: RunConfig, task: Any) -> None:
     policy = _model_dir(cfg.models.policy, "policy", cfg.run_dir)
     if policy is not None:
         _check_tokenizer(policy, cfg, task)
+        _check_lora_targets(policy, cfg)
     if cfg.algo.needs_critic and cfg.models.critic is not None:
         _model_dir(cfg.models.critic, "critic", cfg.run_dir)
     if cfg.models.reward is not None:

@@ -34,7 +34,8 @@ from services.core.wire import TrainRequest, WireError, check_schema_version, me
 from services.core.worker import Rejected, StreamWorker
 from services.models.engine import EngineError, SamplingParams, completions_to_rollout
 from services.models.factory import make_engine
-from services.models.loading import load_causal_lm, load_tokenizer
+from services.models.loading import load_tokenizer
+from services.models.lora import check_only_adapters_train, engine_weights, load_policy
 from services.models.replicas import ReplicaEngine
 from services.rl.trainer import PolicyTrainer
 
@@ -47,16 +48,18 @@ class Actor:
         self.cfg = cfg
         path = Path(cfg.models.policy.path)
         self.tokenizer = load_tokenizer(path)
-        self.policy = load_causal_lm(path, dtype=cfg.models.policy.dtype, device=cfg.endpoint("actor").device)
+        self.policy = load_policy(cfg.models.policy, path, cfg.endpoint("actor").device, cfg.run.seed)
         self.limits = Limits.for_run(cfg, vocab_size=int(self.policy.config.vocab_size))
         self.engine = make_engine(cfg.generation.engine, path,
                                   dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
                                   **cfg.generation.engine_kwargs())
         self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
                                      gradient_checkpointing=cfg.models.policy.gradient_checkpointing)
+        if cfg.models.policy.lora is not None:
+            check_only_adapters_train(self.policy, self.trainer.opt)
         self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt, limits=self.limits)
         if self.t.restore():
-            self.engine.update_weights(self.policy.state_dict().items(), self.t.version)
+            self.sync_engine(self.t.version)
         self.outbox = Outbox.open(cfg.run_dir / "outbox" / "actor")
         self.instance = f"actor-{os.getpid()}"
         self.runtime = ServiceRuntime.from_config(
@@ -238,8 +241,7 @@ class Actor:
             stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step, self.version)
         with self.metrics.time_stage("weight_sync"):
             async with self.engine_lock:
-                await asyncio.to_thread(self.engine.update_weights, self.policy.state_dict().items(),
-                                        req.target_version)
+                await asyncio.to_thread(self.sync_engine, req.target_version)
         # No await from here until Trainable moves the version: a generation that takes the engine
         # lock in between would label the new weights with the old version.
         m = self.metrics
@@ -247,6 +249,10 @@ class Actor:
         m.samples.labels(phase="train").inc(len(req.rollout))
         m.tokens.labels(phase="train").inc(int(req.rollout.response_mask.sum()))
         return stats
+
+    def sync_engine(self, version: int) -> None:
+        """The trainer's weights into the engine (merged there for a LoRA policy, off the event loop)."""
+        self.engine.update_weights(engine_weights(self.policy), version)
 
     async def update_weights(self, request: pb.UpdateWeightsRequest, context: Any) -> pb.UpdateWeightsResponse:
         """Load a checkpoint path into the trainer and the engine (UpdateWeights): its version must
@@ -271,8 +277,7 @@ class Actor:
                 if version > self.version:
                     step = await asyncio.to_thread(self.t.load_weights, path, version)
                     async with self.engine_lock:
-                        await asyncio.to_thread(self.engine.update_weights, self.policy.state_dict().items(),
-                                                version)
+                        await asyncio.to_thread(self.sync_engine, version)
                         self.t.version, self.t.step = version, step
             except WeightsRefused as e:
                 log.warning("update_weights refused", extra={"version": version, "error": str(e)[:300]})

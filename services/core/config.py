@@ -22,6 +22,7 @@ from services.core.config_base import Strict as _Strict
 from services.core.config_workload import (
     BUILTIN_TASKS,
     FILE_SOURCES,
+    LoraSpec,
     ModelSpec,
     ModelsSection,
     RewardSpec,
@@ -32,8 +33,8 @@ from services.core.config_workload import (
 
 __all__ = [
     "ALGO_DEFAULTS", "BUILTIN_TASKS", "FILE_SOURCES", "GROUP_ALGOS", "SCORING_STAGES", "SERVICE_NAMES", "AlgoName",
-    "AlgoSection", "ConfigError", "KLName", "LossAgg", "ModelSpec", "ModelsSection", "RewardSpec", "RunConfig",
-    "ServiceName", "TaskSection", "TaskSource", "TinyModelSpec", "load_config", "parse_config",
+    "AlgoSection", "ConfigError", "KLName", "LoraSpec", "LossAgg", "ModelSpec", "ModelsSection", "RewardSpec",
+    "RunConfig", "ServiceName", "TaskSection", "TaskSource", "TinyModelSpec", "load_config", "parse_config",
 ]
 
 ServiceName = Literal["controller", "actor", "critic", "reward", "reference"]

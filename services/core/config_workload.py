@@ -160,6 +160,31 @@ class TinyModelSpec(_Strict):
         return self
 
 
+class LoraSpec(_Strict):
+    """LoRA adapters (through peft) on the trained policy: only the adapters train, the engine gets
+    the merged weights at every sync, the reference scores with the base model."""
+
+    r: Annotated[int, Field(ge=1)] = 8
+    """The adapters' rank."""
+    alpha: Annotated[float, Field(gt=0)] = 16.0
+    """Scale numerator: the update is B @ A * alpha / r."""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Dropout on the adapters' input while training. Above 0 it draws from torch's global random
+    state, which a checkpoint does not hold: a resumed run is then no longer bit-for-bit."""
+    target_modules: list[Annotated[str, Field(min_length=1)]] | Literal["all-linear"] = "all-linear"
+    """Names of the linear layers that get adapters (e.g. [q_proj, v_proj]), each checked against
+    the model at start-up; "all-linear": every linear layer but the output head."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, list) and not v:
+            raise ValueError("name at least one module, or use 'all-linear'")
+        if isinstance(v, list) and len(set(v)) != len(v):
+            raise ValueError(f"names a module more than once: {v}")
+        return v
+
+
 class ModelSpec(_Strict):
     # A local directory holding a transformers model and its tokenizer. Never a hub id.
     path: str | None = None
@@ -171,6 +196,8 @@ class ModelSpec(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Recompute activations in the backward pass of the trainers: less memory, about a third more compute.
     gradient_checkpointing: bool = False
+    # LoRA adapters instead of full fine-tuning (models.policy only); None: every weight trains.
+    lora: LoraSpec | None = None
 
     @field_validator("path")
     @classmethod
@@ -218,4 +245,8 @@ class ModelsSection(_Strict):
                 raise ValueError(f"{role}.gguf_file: only models.policy loads from a GGUF file; leave"
                                  f" models.{role} unset to start from the policy, or point its path at a model"
                                  " directory")
+        for role in ("critic", "reward"):
+            spec = getattr(self, role)
+            if spec is not None and spec.lora is not None:
+                raise ValueError(f"{role}.lora: only models.policy trains LoRA adapters; remove models.{role}.lora")
         return self

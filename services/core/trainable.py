@@ -40,6 +40,7 @@ from services.models.checkpoint_layout import META_FILE, MODEL_FILE
 from services.models.checkpoint_optim import read_optimizer_state  # reads and checks, touches nothing
 from services.models.engine import WeightSyncError
 from services.models.hf_engine import load_strict
+from services.models.lora import is_lora, load_adapter_state
 
 log = logging.getLogger("rlfleet.trainable")
 
@@ -165,12 +166,19 @@ class Trainable:
                 if meta.has_optimizer:
                     opt_state = read_optimizer_state(path, self.optimizer)
                 files = [path / MODEL_FILE]
+            elif is_lora(self.model):
+                raise WeightsRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"{path} is not an rlfleet checkpoint: a LoRA {self.service} loads its"
+                                     " adapters from its own checkpoints only")
             else:
                 files = _safetensors_files(path)
             tensors: dict[str, torch.Tensor] = {}
             for f in files:
                 tensors.update(load_file(str(f)))
-            load_strict(self.model, tensors)  # checks every name and shape before it copies any
+            if is_lora(self.model):
+                load_adapter_state(self.model, tensors)  # type: ignore[arg-type]
+            else:
+                load_strict(self.model, tensors)  # checks every name and shape before it copies any
         except (CheckpointError, WeightSyncError, SafetensorError, OSError) as err:
             raise WeightsRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {err}") from None
         if opt_state is not None:

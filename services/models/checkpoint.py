@@ -1,4 +1,5 @@
 """Crash-safe checkpoints of a trainable service (actor: causal LM + AdamW; critic: ValueModel + AdamW).
+A LoRA actor (models.policy.lora) checkpoints its adapters only, in peft's naming (services/models/lora.py).
 
 Layout, one directory per service under a shared root:
 
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_file, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from services.models.checkpoint_layout import (
@@ -69,6 +70,8 @@ from services.models.checkpoint_layout import (
 )
 from services.models.checkpoint_optim import read_optimizer_state, split_optimizer_state
 from services.models.durable import fsync_dir, fsync_file, json_bytes, mkdir_durable, sha256, write_bytes
+from services.models.engine import WeightSyncError
+from services.models.lora import adapter_state, is_lora, load_adapter_state
 
 # The errors and the metadata are part of this module's API; their home is the layout module.
 __all__ = [
@@ -280,9 +283,12 @@ def load_checkpoint(
             raise CheckpointMismatch(f"checkpoint {path} holds no optimizer state, but an optimizer was given")
         opt_state = read_optimizer_state(path, optimizer)
     try:
-        # Handles tied weights: the file holds one of the shared names, load_model ties the rest.
-        load_model(model, path / MODEL_FILE, strict=True)
-    except (RuntimeError, ValueError) as err:
+        if is_lora(model):  # the adapters only; the frozen base came from models.policy.path
+            load_adapter_state(model, load_file(str(path / MODEL_FILE)))  # type: ignore[arg-type]
+        else:
+            # Handles tied weights: the file holds one of the shared names, load_model ties the rest.
+            load_model(model, path / MODEL_FILE, strict=True)
+    except (RuntimeError, ValueError, WeightSyncError) as err:
         raise CheckpointMismatch(f"{path / MODEL_FILE} does not fit {type(model).__name__}: {err}") from err
     if optimizer is not None and opt_state is not None:
         try:
@@ -336,9 +342,14 @@ def prune(root: Path, service: str, keep: int = 2) -> list[Path]:
 def _write_contents(
     tmp: Path, service: str, version: int, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> None:
-    # save_model drops all but one name of tensors sharing storage (tied embeddings), which plain
-    # save_file refuses; load_model re-ties them on load.
-    save_model(model, str(tmp / MODEL_FILE), force_contiguous=True)
+    if is_lora(model):
+        # A LoRA policy's base never changes: its checkpoint is the adapters (optimizer state
+        # below is theirs too), in peft's naming.
+        save_file(adapter_state(model), str(tmp / MODEL_FILE))  # type: ignore[arg-type]
+    else:
+        # save_model drops all but one name of tensors sharing storage (tied embeddings), which plain
+        # save_file refuses; load_model re-ties them on load.
+        save_model(model, str(tmp / MODEL_FILE), force_contiguous=True)
     names = [MODEL_FILE]
     if optimizer is not None:
         tensors, doc = split_optimizer_state(optimizer)

@@ -7,6 +7,10 @@ the base model directory the run started from (`models.policy.path` in `RUN_DIR/
 An export loads the base architecture, loads the verified checkpoint into it, and writes both, so
 `AutoModelForCausalLM.from_pretrained(out)` scores exactly like the trainer. The output is written
 beside its target and renamed into place: never a half-written export.
+
+A LoRA run (models.policy.lora) checkpoints its adapters only; its export is, as asked, the base
+with the adapters merged by peft (`merged`, a plain model directory) or the peft adapter directory
+itself (`adapter`, for `PeftModel.from_pretrained` on the base).
 """
 
 from __future__ import annotations
@@ -20,17 +24,19 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import yaml
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from services.core.config import ConfigError, RunConfig, load_config
+from services.core.config import ConfigError, ModelSpec, RunConfig, load_config
 from services.models.atomic import staging_dir
 from services.models.checkpoint import CheckpointError, latest_meta, load_checkpoint, version_dir_name
 from services.models.checkpoint_layout import LATEST, MODEL_FILE
-from services.models.loading import ModelLoadError, load_tokenizer, require_model_dir
+from services.models.loading import ModelLoadError, load_tokenizer, require_model_dir, torch_dtype
+from services.models.lora import apply_lora
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,10 @@ LOCAL_CONFIG = "local.yaml"
 
 # safetensors header dtypes a checkpoint of ours can hold.
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+# What the export of a LoRA run holds: the merged model, or the adapter alone.
+LoraExport = Literal["merged", "adapter"]
+LORA_EXPORTS: tuple[LoraExport, ...] = ("merged", "adapter")
 
 
 class ExportError(RuntimeError):
@@ -71,26 +81,26 @@ def record_local_config(cfg: RunConfig, policy_path: Path) -> Path:
     return out
 
 
-def _fleet_policy_and_checkpoints(run_dir: Path) -> tuple[Path | None, Path]:
-    """(models.policy.path, checkpoint root) as the run saw them: from RUN_DIR/fleet.yaml (a fleet
-    run) or RUN_DIR/local.yaml (a local run)."""
+def _fleet_policy_and_checkpoints(run_dir: Path) -> tuple[Path | None, Path, ModelSpec | None]:
+    """(models.policy.path, checkpoint root, models.policy) as the run saw them: from
+    RUN_DIR/fleet.yaml (a fleet run) or RUN_DIR/local.yaml (a local run)."""
     for name in FLEET_CONFIG, LOCAL_CONFIG:
         resolved = run_dir / name
         if resolved.is_file():
             break
     else:
-        return None, run_dir / "checkpoints"
+        return None, run_dir / "checkpoints", None
     try:
         cfg = load_config(resolved)
     except ConfigError as err:
         raise ExportError(f"cannot read {resolved}: {str(err).splitlines()[0]}") from None
     path = Path(cfg.models.policy.path) if cfg.models.policy.path else None
-    return path, cfg.checkpoint_dir
+    return path, cfg.checkpoint_dir, cfg.models.policy
 
 
 def find_base(run_dir: Path) -> Path:
     """The model directory the run's policy started from."""
-    path, _ = _fleet_policy_and_checkpoints(run_dir)
+    path, _, _ = _fleet_policy_and_checkpoints(run_dir)
     if path is None:
         path = run_dir / "models" / "policy"
         if not (path / "config.json").is_file():
@@ -130,14 +140,23 @@ def _checkpoint_dtype(path: Path) -> torch.dtype:
     return _ST_DTYPES[dtype]
 
 
-def load_checkpointed_policy(base: Path, checkpoint: Path) -> tuple[PreTrainedModel, int, int]:
-    """The base architecture with the verified checkpoint's weights: (model, version, step)."""
+def load_checkpointed_policy(base: Path, checkpoint: Path,
+                             spec: ModelSpec | None = None) -> tuple[PreTrainedModel, int, int]:
+    """The base architecture with the verified checkpoint's weights: (model, version, step). With
+    `spec.lora` set the model is the base (in `spec.dtype`) wrapped in the checkpoint's adapters."""
     base = require_model_dir(base, "base model")
-    dtype = _checkpoint_dtype(checkpoint)
+    lora = spec.lora if spec is not None else None
+    # An adapter checkpoint's dtype is the adapters' (peft keeps them in float32), not the base's.
+    dtype = torch_dtype(spec.dtype) if spec is not None and lora is not None else _checkpoint_dtype(checkpoint)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, local_files_only=True)
     except Exception as err:
         raise ExportError(f"cannot load the base model {base}: {type(err).__name__}: {err}") from err
+    if lora is not None:
+        try:
+            model = apply_lora(model, lora, seed=0)  # type: ignore[assignment]  # the checkpoint overwrites the init
+        except ConfigError as err:
+            raise ExportError(str(err)) from None
     try:
         meta = load_checkpoint(checkpoint, model, service=SERVICE)
     except CheckpointError as err:
@@ -146,40 +165,49 @@ def load_checkpointed_policy(base: Path, checkpoint: Path) -> tuple[PreTrainedMo
     return model, meta.version, meta.step
 
 
-def _write(tmp: Path, run_dir: Path, base: Path, checkpoint: Path) -> tuple[int, int]:
-    model, version, step = load_checkpointed_policy(base, checkpoint)
+def _write(tmp: Path, run_dir: Path, base: Path, checkpoint: Path, spec: ModelSpec | None,
+           lora: LoraExport) -> tuple[int, int]:
+    if lora == "adapter" and (spec is None or spec.lora is None):
+        raise ExportError(f"--lora adapter: {run_dir} trained no LoRA adapter (models.policy.lora is unset);"
+                          " export the whole model without --lora")
+    model, version, step = load_checkpointed_policy(base, checkpoint, spec)
     try:
         tokenizer = load_tokenizer(base)
     except ModelLoadError as err:
         raise ExportError(str(err)) from None
+    if spec is not None and spec.lora is not None and lora == "merged":
+        model = model.merge_and_unload()  # type: ignore[operator]  # peft's merge: a plain transformers model
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)  # the chat template travels with it
     info = {"run_dir": str(run_dir.resolve()), "service": SERVICE, "version": version, "step": step,
-            "base": str(base.resolve()), "checkpoint": str(checkpoint.resolve()), "exported_at": time.time()}
+            "base": str(base.resolve()), "checkpoint": str(checkpoint.resolve()), "exported_at": time.time(),
+            "lora": lora if spec is not None and spec.lora is not None else None}
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
     return version, step
 
 
-def _sources(run_dir: Path, version: int | None, base: Path | None) -> tuple[Path, Path]:
+def _sources(run_dir: Path, version: int | None, base: Path | None) -> tuple[Path, Path, ModelSpec | None]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ExportError(f"run directory {run_dir} does not exist" if not run_dir.exists()
                           else f"run directory {run_dir} is not a directory")
     if version is not None and version < 1:
         raise ExportError(f"--version must be >= 1 (version 0 is the untrained base), got {version}")
-    _, root = _fleet_policy_and_checkpoints(run_dir)
+    _, root, spec = _fleet_policy_and_checkpoints(run_dir)
     checkpoint = _checkpoint_dir(root, version)
-    return (Path(base) if base is not None else find_base(run_dir)), checkpoint
+    return (Path(base) if base is not None else find_base(run_dir)), checkpoint, spec
 
 
-def export_model(run_dir: Path, out: Path, version: int | None = None, base: Path | None = None) -> Exported:
-    """Export checkpoint `version` (default: the latest) of the run's actor into the new directory `out`."""
+def export_model(run_dir: Path, out: Path, version: int | None = None, base: Path | None = None,
+                 lora: LoraExport = "merged") -> Exported:
+    """Export checkpoint `version` (default: the latest) of the run's actor into the new directory
+    `out`; `lora` says what the export of a LoRA run holds."""
     out = Path(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ExportError(f"--out {out} already exists and is not an empty directory")
-    base_dir, checkpoint = _sources(Path(run_dir), version, base)
+    base_dir, checkpoint, spec = _sources(Path(run_dir), version, base)
     with staging_dir(out) as tmp:
-        v, step = _write(tmp, Path(run_dir), base_dir, checkpoint)
+        v, step = _write(tmp, Path(run_dir), base_dir, checkpoint, spec, lora)
     if not (out / INFO_FILE).is_file():
         raise ExportError(f"--out {out} appeared while exporting; it holds someone else's files")
     log.info("exported %s version %d (step %d) of %s to %s", SERVICE, v, step, run_dir, out)
@@ -191,10 +219,10 @@ def export_final(run_dir: Path, base: Path | None = None) -> Exported:
     export (a run extended with more steps): the new one is complete before the old one goes."""
     run_dir = Path(run_dir)
     out = run_dir / EXPORT_DIR
-    base_dir, checkpoint = _sources(run_dir, None, base)
+    base_dir, checkpoint, spec = _sources(run_dir, None, base)
     tmp = Path(tempfile.mkdtemp(prefix=f".{EXPORT_DIR}.tmp-", dir=run_dir))
     try:
-        version, step = _write(tmp, run_dir, base_dir, checkpoint)
+        version, step = _write(tmp, run_dir, base_dir, checkpoint, spec, "merged")
         if out.exists():
             old = run_dir / f".{EXPORT_DIR}.old-{os.getpid()}-{time.monotonic_ns()}"
             os.rename(out, old)
@@ -209,10 +237,11 @@ def export_final(run_dir: Path, base: Path | None = None) -> Exported:
     return Exported(out=out, version=version, step=step, base=base_dir, checkpoint=checkpoint)
 
 
-def export_main(run_dir: str, out: str, version: int | None = None, base: str | None = None) -> int:
+def export_main(run_dir: str, out: str, version: int | None = None, base: str | None = None,
+                lora: LoraExport = "merged") -> int:
     """`rlfleet export`: one line on success (stdout) or failure (stderr)."""
     try:
-        done = export_model(Path(run_dir), Path(out), version, Path(base) if base else None)
+        done = export_model(Path(run_dir), Path(out), version, Path(base) if base else None, lora=lora)
     except (ExportError, ModelLoadError) as err:
         print(f"export failed: {err}", file=sys.stderr)
         return 1
