@@ -97,7 +97,8 @@ def run_local(
     reward = RewardScorer(task, tok, model_path=reward_model_path(cfg))
     reference = (
         ReferenceScorer(load_causal_lm(roles.policy_path, dtype=dtype, device=cfg.endpoint("reference").device),
-                        cfg.generation.temperature, micro_batch=cfg.algo.micro_batch_size)
+                        cfg.generation.temperature, micro_batch=cfg.algo.micro_batch_size,
+                        chunk_tokens=cfg.algo.logprob_chunk_tokens, compile=cfg.algo.compile)
         if cfg.algo.needs_reference else None
     )
     trainer = PolicyTrainer(policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,

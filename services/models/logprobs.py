@@ -222,3 +222,12 @@ def _chunked(parts: tuple[nn.Module, nn.Linear], input_ids: torch.Tensor, attent
         return logp
     flat_e = torch.cat(ents) if ents else flat
     return logp, torch.zeros(b, r, dtype=flat_e.dtype, device=flat_e.device).masked_scatter(rmask, flat_e)
+
+
+def compile_decoder(model: nn.Module, backend: str = "inductor") -> nn.Module:
+    """torch.compile the transformer body of `model` in place (the module its forward and the chunked
+    path both call), keeping parameter names, so state dicts and weight syncs are unchanged."""
+    parts = split_head(model)
+    target = parts[0] if parts is not None else model
+    target.compile(dynamic=None, backend=backend)
+    return target

@@ -5,15 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.models.logprobs import response_logprobs
+from services.models.logprobs import compile_decoder, response_logprobs
 from services.rl.batch import Rollout
 
 
 class ReferenceScorer:
-    def __init__(self, model: nn.Module, temperature: float, micro_batch: int = 0) -> None:
+    def __init__(self, model: nn.Module, temperature: float, micro_batch: int = 0, chunk_tokens: int = 0,
+                 compile: bool = False) -> None:
         self.model = model.eval().requires_grad_(False)
         self.temperature = temperature
         self.micro_batch = micro_batch
+        self.chunk_tokens = chunk_tokens
+        if compile:
+            compile_decoder(self.model)
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
@@ -24,7 +28,7 @@ class ReferenceScorer:
             mb = r.select(idx).to(self.device)
             out = response_logprobs(
                 self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                temperature=self.temperature,
+                temperature=self.temperature, chunk_tokens=self.chunk_tokens,
             )
             parts.append((out if isinstance(out, torch.Tensor) else out[0]).cpu())
         return torch.cat(parts)

@@ -14,5 +14,6 @@ def serve(cfg: RunConfig) -> None:
     assert cfg.models.policy.path is not None, "the launcher resolves models.policy.path"
     model = load_causal_lm(Path(cfg.models.policy.path), dtype=cfg.models.policy.dtype,
                            device=cfg.endpoint("reference").device)
-    scorer = ReferenceScorer(model, cfg.generation.temperature, micro_batch=cfg.algo.micro_batch_size)
+    scorer = ReferenceScorer(model, cfg.generation.temperature, micro_batch=cfg.algo.micro_batch_size,
+                             chunk_tokens=cfg.algo.logprob_chunk_tokens, compile=cfg.algo.compile)
     ScoringService(cfg, "reference", scorer.score).run()
