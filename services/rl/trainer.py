@@ -46,7 +46,7 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 def adamw(model: nn.Module, lr: float, fused: bool = False) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; `fused` picks torch's fused kernel (CUDA and CPU)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **({"fused": True} if fused else {}))
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True if fused else None)
 
 
 def micro_weights(mb: Rollout, micro: int, agg: str) -> list[tuple[torch.Tensor, float]]:
