@@ -93,7 +93,8 @@ def run_local(
     task, tok = roles.task, roles.tokenizer
     dtype = cfg.models.policy.dtype
     policy = load_causal_lm(roles.policy_path, dtype=dtype, device=cfg.endpoint("actor").device)
-    engine = make_engine(cfg.generation.engine, roles.policy_path, dtype=dtype, **cfg.generation.engine_kwargs())
+    engine = make_engine(cfg.generation.engine, roles.policy_path, dtype=dtype,
+                         **cfg.generation.engine_kwargs(cfg.run_dir))
     reward = RewardScorer(task, tok, model_path=reward_model_path(cfg))
     reference = (
         ReferenceScorer(load_causal_lm(roles.policy_path, dtype=dtype, device=cfg.endpoint("reference").device),

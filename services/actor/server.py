@@ -48,7 +48,7 @@ class Actor:
         self.policy = load_causal_lm(path, dtype=cfg.models.policy.dtype, device=cfg.endpoint("actor").device)
         self.limits = Limits.for_run(cfg, vocab_size=int(self.policy.config.vocab_size))
         self.engine = make_engine(cfg.generation.engine, path, dtype=cfg.models.policy.dtype,
-                                  **cfg.generation.engine_kwargs())
+                                  **cfg.generation.engine_kwargs(cfg.run_dir))
         self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
                                      gradient_checkpointing=cfg.models.policy.gradient_checkpointing)
         self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt, limits=self.limits)
