@@ -74,6 +74,10 @@ def test_targets_say_met_or_missed_and_what_holds_a_miss_back() -> None:
     assert "**missed**" in by["- 1.5b: spread of the 3 repeats ((max − min) / median)"]  # 29%
     assert "**met**" in by["- 1.5b: time to first step, rlfleet minus TRL with vLLM"]  # 62 - 45 = 17 s
     assert "**met**" in by["- 0.5b: time to first step, rlfleet minus TRL with vLLM"]  # 62 - 40 = 22 s
+    slow = _result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0])
+    slow["phases"]["trl-vllm-1.5b"]["first_step_s"] = 20.0
+    (late,) = [line for line in rep.targets(slow) if line.startswith("- 1.5b: time to first step")]
+    assert "42 s (target 30 s): **missed**; rlfleet 62 s (vLLM engine start 20 s of it), TRL 20 s" in late
     md = rep.render(_result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0]))
     assert "| **rlfleet, median of 3** (spread 10%) | **84.0** |" in md
     assert "| chunked log-probs (`algo.logprob_chunk_tokens: 1024`) | 90.0 | 1.07× |" in md
