@@ -140,7 +140,7 @@ def response_logprobs(
         return (empty, empty.clone()) if with_entropy else empty
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask.bool(), rmask], dim=1)
-    if chunk_tokens > 0:
+    if chunk_tokens > 0 and bool(rmask.any()):  # no real token at all: the plain path keeps the graph
         parts = split_head(model)
         if parts is not None:
             return _chunked(parts, input_ids, attention_mask, response_ids, rmask, temperature,

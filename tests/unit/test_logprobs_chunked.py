@@ -96,6 +96,14 @@ def test_chunked_head_passes_gradcheck() -> None:
     assert torch.autograd.gradcheck(f, (head,), eps=1e-3, atol=2e-3, rtol=1e-2, fast_mode=True)
 
 
+def test_a_micro_batch_of_empty_responses_still_backpropagates() -> None:
+    model = _model()
+    pi, pm, ri, rm = _batch()
+    lp, ent = response_logprobs(model, pi, pm, ri, torch.zeros_like(rm), with_entropy=True, chunk_tokens=4)
+    assert torch.all(lp == 0) and torch.all(ent == 0)
+    (lp.sum() + ent.sum()).backward()  # a zero loss, but a graph: the trainer's backward does not fail
+
+
 def test_models_with_scaled_logits_use_the_whole_vocabulary_path() -> None:
     assert split_head(_model()) is not None
     assert split_head(_model(final_logit_softcapping=30.0)) is None
