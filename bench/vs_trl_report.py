@@ -271,7 +271,7 @@ def plots(res: dict[str, Any], out: Path) -> list[Path]:
     samples = res.get("gpu_samples") or []
     made = []
     for key, p in res["phases"].items():
-        if "t0" not in p:
+        if "t0" not in p or p.get("reused_from"):  # a dry run's reused phase has its source's plot
             continue
         pts = [(t - p["t0"], u) for t, u, _ in samples if p["t0"] <= t <= p["t1"]]
         fig, ax = plt.subplots(figsize=(7, 2.6), dpi=80)
