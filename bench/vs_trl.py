@@ -1,31 +1,39 @@
-"""rlfleet against TRL on one GPU, same model, data and hyper-parameters, in one run (issue 7).
+"""rlfleet against TRL on one GPU, same model, data and hyper-parameters, in one run (issues 7, 16).
 
-    python -m bench.vs_trl run --out bench/results          # on a GPU host: every phase, then the report
-    python -m bench.vs_trl report --results FILE.json       # re-render BENCHMARKS.md and plots from a run
-    BENCH_DRY=1 python -m bench.vs_trl run --out DIR        # CPU dry run of the harness (measures nothing)
+    python -m bench.vs_trl plan                                   # the phases, their groups and time estimates
+    python -m bench.vs_trl run --phases 0.5b --out DIR            # on a GPU host: one group per device call
+    python -m bench.vs_trl report --results A.json B.json ...     # merge calls, render BENCHMARKS.md and plots
+    BENCH_DRY=1 python -m bench.vs_trl run --out DIR              # CPU dry run of every phase (measures nothing)
 
-Workload: a Qwen2.5-0.5B-shaped Qwen2 (hidden 896, 24 layers, 14 heads, 2 KV heads, vocab 151,936),
-random weights, bf16; prompts of exactly 64 tokens (`services.tasks.synthetic`), completions of 256
-tokens, GRPO with groups of 8 and 256 completions per step, KL 0.04 (k3, in the loss), lr 1e-6, one
-epoch, one optimizer step per step, micro-batches of 16 sequences.
+Workloads: Qwen2-shaped models with random weights in bf16, the 0.5B shape (hidden 896, 24 layers, 14
+heads, 2 KV heads, intermediate 4864) and the 1.5B shape (hidden 1536, 28 layers, 12 heads, 2 KV heads,
+intermediate 8960), vocabulary 151,936; prompts of exactly 64 tokens (`services.tasks.synthetic`),
+completions of exactly 256 tokens, GRPO with groups of 8 and 256 completions per step, KL 0.04 (k3, in
+the loss), lr 1e-6, one epoch, one optimizer step per step, micro-batches of 16 sequences.
 
-Phases, each its own process so that each starts with the GPU to itself, in order of value, each under
-a time cap and all under `--deadline-s`, so a short lease still yields the most important rows:
+Phases (each its own process, so each starts with the GPU to itself), grouped so that one group fits one
+device call of at most 10 minutes and the three default groups a 30-minute session with ~4 minutes of
+install (`plan` prints the estimates):
 
-1. `trl`: TRL 1.16 `GRPOTrainer` (`bench.trl_peer`; generation with `model.generate`).
-2. `fleet-vllm-grpo-proc`: `rlfleet up` with every service on the GPU, `engine: vllm` and
-   `generation.process: true` (the engine in a child process of the actor, its own GIL).
-3. `fleet-vllm-grpo`: the same with the engine inside the actor's process.
-4. `vllm-alone`: vLLM's own `LLM.generate` on the same 256 prompts: plain, with per-token log-probs,
-   and with log-probs plus per-request seeds (what the fleet's engine asks for).
-5. `fleet-vllm-ppo`: PPO with a critic (engine in its own process).
-6. `fleet-hf-grpo`: the fleet with the transformers engine.
+- `trl-vllm-<w>`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the peer.
+- `fleet-<w>-r1..r3`: `rlfleet up`, every service on the GPU, `engine: vllm` in its own process, three
+  times: median and spread.
+- `vllm-alone-<w>`: vLLM's own `LLM.generate` on the same prompts, plain and with per-token log-probs:
+  the generation floor.
+- `trl-0.5b`: TRL with `model.generate` (the second peer row).
+- `fleet-0.5b-<lever>`: one lever of issue 16 on top of `fleet-0.5b`: `chunked` (algo.logprob_chunk_tokens),
+  `fused` (algo.fused_optimizer), `compile` (algo.compile), `graphs` (generation.vllm.cudagraph_max_batch
+  plus a compile cache under the run directory).
+- `extra` (not default): PPO with a critic, the transformers engine, the engine inside the actor.
 
-Steady state drops the first `--warmup` steps and takes medians over `--steps` steps. GPU utilization
-is sampled with NVML every 100 ms by this process for the whole run and averaged over each phase's
-steady window. The fleet's per-stage seconds per step are differences of the services'
-`rlfleet_stage_latency_seconds` sums, scraped at the start and end of the steady window, divided by the
-steps in between; advantage seconds come from the controller's metrics rows.
+Steady state drops the first `--warmup` steps and takes medians over the rest. Time to first step runs
+from the phase's process launch to the end of the first optimizer step. GPU utilization is sampled with
+NVML every 100 ms and averaged over each phase's steady window. The fleet's seconds per stage are
+differences of the services' `rlfleet_stage_latency_seconds` sums over the steady window per step.
+A dry run (BENCH_DRY=1) shrinks both shapes to one tiny model, runs TRL once on the CPU for both TRL
+kinds, and starts ONE fleet for every fleet phase (`fleet_config(dry=True)`: PPO with every service,
+the transformers engine in its own process, the levers a CPU can run); each fleet phase still builds
+and validates the config the GPU run will start. It proves the harness, not the numbers.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,23 +58,96 @@ REPO = Path(__file__).resolve().parents[1]
 WORK = Path(os.environ.get("BENCH_WORK", "/tmp/rlfleet-vs-trl"))
 DRY = os.environ.get("BENCH_DRY") == "1"
 
-QWEN05: dict[str, Any] = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                              intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
-                              rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+_COMMON: dict[str, Any] = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+                               tie_word_embeddings=True)
+SHAPES: dict[str, dict[str, Any]] = {
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, **_COMMON),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, **_COMMON),
+}
 W: dict[str, Any] = dict(prompts_per_step=32, group=8, prompt_tokens=64, completion_tokens=256, micro_batch=16,
-                         kl_coef=0.04, lr=1e-6, steps=10, warmup=2)
+                         kl_coef=0.04, lr=1e-6, steps=5, warmup=2)
 if DRY:
-    QWEN05.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=504)
-    W.update(prompts_per_step=2, group=2, prompt_tokens=8, completion_tokens=8, micro_batch=2, steps=2, warmup=1)
+    for shape in SHAPES.values():
+        shape.update(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=64, vocab_size=260)
+    W.update(prompts_per_step=2, group=2, prompt_tokens=4, completion_tokens=4, micro_batch=2, steps=2, warmup=1)
 N_SPECIAL = 4  # <pad> <s> </s> <unk> of the word-level tokenizer
-STAGES = ("generate", "reference", "reward", "critic", "advantage", "actor_train", "critic_train", "weight_sync")
 PORTS = {"controller": 0, "actor": 1, "critic": 2, "reward": 3, "reference": 4}
-MARK_BEGIN, MARK_END = "<!-- vs_trl:begin -->", "<!-- vs_trl:end -->"
 
 
 def say(*a: Any) -> None:
     print(f"[vs_trl {time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    kind: str  # trl | trl-vllm | fleet | vllm-alone
+    workload: str
+    group: str
+    est_s: float  # expected seconds on one H200 (from the runs of issues 7 and 16), start-up included
+    engine: str = "vllm"
+    algo: str = "grpo"
+    process: bool = True
+    algo_opts: dict[str, Any] = field(default_factory=dict)
+    vllm_opts: dict[str, Any] = field(default_factory=dict)
+    lever: str = ""  # the lever a `fleet-0.5b-<lever>` phase adds (empty: the baseline)
+
+
+LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "chunked": ({"logprob_chunk_tokens": 1024}, {}),
+    "fused": ({"fused_optimizer": True}, {}),
+    "compile": ({"compile": True}, {}),
+    # Graphs for decode batches up to the sequences of one step; the cache under the run directory.
+    "graphs": ({}, {"cudagraph_max_batch": W["prompts_per_step"] * W["group"], "compile_cache_dir": "cache/vllm"}),
+}
+# What a CPU dry run can start: no vLLM (its options are refused by the transformers engine) and no
+# inductor (minutes per graph on two cores; tests/unit/test_trainer_levers.py checks compile).
+DRY_LEVERS = {"logprob_chunk_tokens": 2, "fused_optimizer": True}
+
+
+def phases() -> list[Phase]:
+    out: list[Phase] = []
+    # The first fleet of a workload compiles vLLM's graphs; the repeats find them in vLLM's cache.
+    for w, est_fleet, est_trl, est_alone in (("0.5b", 110, 90, 50), ("1.5b", 120, 95, 50)):
+        out.append(Phase(f"trl-vllm-{w}", "trl-vllm", w, w, est_trl))
+        out += [Phase(f"fleet-{w}-r{i}", "fleet", w, w, est_fleet + (40 if i == 1 else 0)) for i in (1, 2, 3)]
+        out.append(Phase(f"vllm-alone-{w}", "vllm-alone", w, w, est_alone))
+    for lever, (algo_opts, vllm_opts) in LEVERS.items():
+        est = 140 if lever in ("compile", "graphs") else 110  # these two compile from cold
+        out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", "levers", est, algo_opts=algo_opts,
+                         vllm_opts=vllm_opts, lever=lever))
+    out += [Phase("trl-0.5b", "trl", "0.5b", "extra", 100),
+            Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 150, algo="ppo"),
+            Phase("fleet-0.5b-hf", "fleet", "0.5b", "extra", 200, engine="transformers", process=False),
+            Phase("fleet-0.5b-inproc", "fleet", "0.5b", "extra", 150, process=False)]
+    return out
+
+
+DEFAULT_GROUPS = ("0.5b", "1.5b", "levers")
+
+
+def select(spec: str | None) -> list[Phase]:
+    """Phases named by `spec` (comma-separated phase or group names; `all`; default: the default groups)."""
+    every = phases()
+    names = [s for s in (spec or ",".join(DEFAULT_GROUPS)).split(",") if s]
+    known = {p.name for p in every} | {p.group for p in every} | {"all"}
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SystemExit(f"unknown phase or group {', '.join(bad)}; known: {', '.join(sorted(known))}")
+    return [p for p in every if "all" in names or p.name in names or p.group in names]
+
+
+def print_plan(chosen: list[Phase], deadline_s: float) -> None:
+    total = 0.0
+    for g in dict.fromkeys(p.group for p in chosen):
+        ps = [p for p in chosen if p.group == g]
+        s = sum(p.est_s for p in ps)
+        total += s
+        say(f"group {g}: ~{s / 60:.1f} min (" + ", ".join(f"{p.name} ~{p.est_s:.0f} s" for p in ps) + ")")
+    say(f"estimated total ~{total / 60:.1f} min for {len(chosen)} phases; deadline {deadline_s:.0f} s")
 
 
 # -- GPU utilization ---------------------------------------------------------------------------------
@@ -106,40 +188,6 @@ def mean_util(samples: list[tuple[float, float, float]]) -> float | None:
     return statistics.fmean(s[1] for s in samples) if samples else None
 
 
-# -- model and data ---------------------------------------------------------------------------------
-def build_model(path: Path) -> None:
-    """Random-weight Qwen2 in bf16 plus a word tokenizer whose vocabulary is the model's (every id decodes)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from services.models.tokenizer import build_tokenizer_from_vocab
-
-    if (path / "config.json").exists():
-        return
-    task = synthetic_task()
-    tok = build_tokenizer_from_vocab(task.vocab(), "word")
-    cfg = Qwen2Config(**QWEN05, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
-    assert len(tok) == cfg.vocab_size, (len(tok), cfg.vocab_size)
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(path)
-
-
-def synthetic_task() -> Any:
-    from services.tasks.synthetic import SyntheticTask
-
-    return SyntheticTask({"prompt_tokens": W["prompt_tokens"], "completion_tokens": W["completion_tokens"],
-                          "words": QWEN05["vocab_size"] - N_SPECIAL})
-
-
-# -- phases -----------------------------------------------------------------------------------------
 def run_proc(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> int:
     say("$", " ".join(cmd), f"(cap {timeout_s:.0f} s, log {log})")
     with log.open("w") as f:
@@ -174,34 +222,6 @@ def tail(path: Path, n: int = 30) -> str:
         return ""
 
 
-def phase_trl(model: Path, cap: float, gpu: GpuSampler) -> dict[str, Any]:
-    out, log = WORK / "trl.json", WORK / "trl.log"
-    cmd = [sys.executable, "-m", "bench.trl_peer", "--model", str(model), "--out", str(out),
-           "--steps", str(W["steps"]), "--warmup", str(W["warmup"]), "--prompts-per-step", str(W["prompts_per_step"]),
-           "--group", str(W["group"]), "--prompt-tokens", str(W["prompt_tokens"]),
-           "--completion-tokens", str(W["completion_tokens"]), "--micro-batch", str(W["micro_batch"]),
-           "--kl-coef", str(W["kl_coef"]), "--lr", str(W["lr"])]
-    if DRY:
-        cmd += ["--device", "cpu", "--words", str(QWEN05["vocab_size"] - N_SPECIAL)]
-    t0 = time.time()
-    rc = run_proc(cmd, log, cap)
-    res: dict[str, Any] = {"rc": rc, "t0": t0, "t1": time.time(), "log_tail": tail(log)}
-    if not out.exists():
-        return res
-    data = json.loads(out.read_text())
-    res["raw"] = {k: v for k, v in data.items() if k not in ("traceback",)}
-    if not data.get("ok"):
-        return res
-    steps = data["steps"][W["warmup"]:]
-    st = data["steady"]
-    w0, w1 = steps[0]["wall_begin"], steps[-1]["wall_end"]
-    res.update(ok=True, window=(w0, w1), samples_per_s=st["samples_per_s"], tokens_per_s=st["tokens_per_s"],
-               median_step_s=st["median_step_s"], steps_measured=st["steps_measured"],
-               gpu_util=mean_util(gpu.between(w0, w1)),
-               stages=_trl_stages(steps))
-    return res
-
-
 def _trl_stages(steps: list[dict[str, Any]]) -> dict[str, float]:
     """TRL's own profiling timers per step (median), mapped onto our stage names where they match."""
     per: dict[str, list[float]] = {}
@@ -210,38 +230,6 @@ def _trl_stages(steps: list[dict[str, Any]]) -> dict[str, float]:
             if isinstance(v, int | float):
                 per.setdefault(k, []).append(float(v))
     return {k: statistics.median(v) for k, v in per.items() if v}
-
-
-FLEETS = ("fleet-vllm-grpo-proc", "fleet-vllm-grpo", "fleet-vllm-ppo", "fleet-hf-grpo")
-
-
-def fleet_config(name: str, engine: str, algo: str, model: Path, process: bool = False) -> dict[str, Any]:
-    base = 51100 + 20 * FLEETS.index(name)
-    device = "cpu" if DRY else "cuda"
-    svc: dict[str, dict[str, Any]] = {n: {"grpc_port": base + i, "http_port": base + 10 + i} for n, i in PORTS.items()}
-    for n in ("actor", "critic", "reference"):
-        svc[n]["device"] = device
-    return {
-        "run": {"name": name.replace("-", "_"), "dir": str(WORK / name), "seed": 0,
-                "max_steps": W["warmup"] + W["steps"] + 1},
-        "task": {"name": "synthetic", "eval_size": 0,
-                 "params": {"prompt_tokens": W["prompt_tokens"], "completion_tokens": W["completion_tokens"],
-                            "words": QWEN05["vocab_size"] - N_SPECIAL}},
-        "models": {"policy": {"path": str(model), "dtype": "float32" if DRY else "bfloat16"}},
-        "algo": {"name": algo, "group_size": W["group"], "kl_coef": W["kl_coef"], "kl_estimator": "k3",
-                 "kl_in": "loss", "lr": W["lr"], "critic_lr": 1e-5, "ppo_epochs": 1,
-                 "minibatch_size": W["prompts_per_step"] * W["group"], "micro_batch_size": W["micro_batch"]},
-        # A dry run has no vLLM: the transformers engine stands in, so the harness itself is exercised.
-        "generation": {"engine": "transformers" if DRY else engine, "device": device, "process": process,
-                       "max_new_tokens": W["completion_tokens"], "temperature": 1.0,
-                       "micro_batch": 0,  # vLLM: no cap on sequences per engine step
-                       "vllm": {"gpu_memory_utilization": 0.2, "max_model_len": 512}},
-        "batch": {"prompts_per_step": W["prompts_per_step"], "prompts_per_message": W["prompts_per_step"]},
-        "services": svc,
-        # Generation of step n+1 overlaps training of step n; nothing is resent during a slow start.
-        "flow": {"max_staleness": 1, "resend_after_s": 900.0, "rpc_timeout_s": 900.0},
-        "checkpoint": {"every": 1000},
-    }
 
 
 def scrape_stages(cfg: dict[str, Any]) -> dict[str, float]:
@@ -275,15 +263,135 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def phase_fleet(name: str, engine: str, algo: str, model: Path, cap: float, gpu: GpuSampler,
-                process: bool = False) -> dict[str, Any]:
-    cfg = fleet_config(name, engine, algo, model, process)
+# -- model and data ---------------------------------------------------------------------------------
+def model_dir(workload: str) -> Path:
+    return WORK / ("model-dry" if DRY else f"model-{workload}")  # a dry run has one tiny shape
+
+
+def build_model(workload: str) -> Path:
+    """Random-weight Qwen2 in bf16 plus a word tokenizer whose vocabulary is the model's (every id decodes)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from services.models.tokenizer import build_tokenizer_from_vocab
+
+    path = model_dir(workload)
+    if (path / "config.json").exists():
+        return path
+    shape = SHAPES[workload]
+    tok = build_tokenizer_from_vocab(synthetic_task(workload).vocab(), "word")
+    cfg = Qwen2Config(**shape, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    assert len(tok) == cfg.vocab_size, (len(tok), cfg.vocab_size)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def synthetic_task(workload: str = "0.5b") -> Any:
+    from services.tasks.synthetic import SyntheticTask
+
+    return SyntheticTask({"prompt_tokens": W["prompt_tokens"], "completion_tokens": W["completion_tokens"],
+                          "words": SHAPES[workload]["vocab_size"] - N_SPECIAL})
+
+
+# -- phases -----------------------------------------------------------------------------------------
+def trl_cmd(p: Phase, model: Path, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "bench.trl_peer", "--model", str(model), "--out", str(out),
+           "--steps", str(W["steps"]), "--warmup", str(W["warmup"]), "--prompts-per-step", str(W["prompts_per_step"]),
+           "--group", str(W["group"]), "--prompt-tokens", str(W["prompt_tokens"]),
+           "--completion-tokens", str(W["completion_tokens"]), "--micro-batch", str(W["micro_batch"]),
+           "--kl-coef", str(W["kl_coef"]), "--lr", str(W["lr"])]
+    if DRY:  # no vLLM on a CPU: TRL's generate stands in for its vLLM mode
+        return [*cmd, "--device", "cpu", "--words", str(SHAPES[p.workload]["vocab_size"] - N_SPECIAL)]
+    return cmd + (["--use-vllm"] if p.kind == "trl-vllm" else [])
+
+
+def phase_trl(p: Phase, cap: float, gpu: GpuSampler) -> dict[str, Any]:
+    out, log = WORK / f"{p.name}.json", WORK / f"{p.name}.log"
+    out.unlink(missing_ok=True)
+    t0 = time.time()
+    rc = run_proc(trl_cmd(p, model_dir(p.workload), out), log, cap)
+    res: dict[str, Any] = {"rc": rc, "t0": t0, "t1": time.time(), "log_tail": tail(log)}
+    if not out.exists():
+        return res
+    data = json.loads(out.read_text())
+    res["raw"] = {k: v for k, v in data.items() if k not in ("traceback",)}
+    if not data.get("ok"):
+        res["error"] = data.get("error")
+        return res
+    steps = data["steps"][W["warmup"]:]
+    st = data["steady"]
+    w0, w1 = steps[0]["wall_begin"], steps[-1]["wall_end"]
+    res.update(ok=True, window=(w0, w1), samples_per_s=st["samples_per_s"], tokens_per_s=st["tokens_per_s"],
+               median_step_s=st["median_step_s"], steps_measured=st["steps_measured"],
+               first_step_s=data["steps"][0]["wall_end"] - t0, gpu_util=mean_util(gpu.between(w0, w1)),
+               stages=_trl_stages(steps))
+    return res
+
+
+def fleet_config(p: Phase, model: Path, port_base: int, dry: bool = DRY) -> dict[str, Any]:
+    """The `rlfleet up` config of a fleet phase; `dry` gives the one CPU stand-in every fleet phase of a
+    dry run shares: PPO (every service, the critic too), the transformers engine in its own process and
+    the levers a CPU can run, so that one launch covers what the GPU phases start between them."""
+    device = "cpu" if dry else "cuda"
+    svc: dict[str, dict[str, Any]] = {n: {"grpc_port": port_base + i, "http_port": port_base + 10 + i}
+                                      for n, i in PORTS.items()}
+    for n in ("actor", "critic", "reference"):
+        svc[n]["device"] = device
+    algo_opts, vllm_opts = dict(p.algo_opts), dict(p.vllm_opts)
+    if dry:
+        p = Phase(p.name, p.kind, p.workload, p.group, p.est_s, engine="transformers", algo="ppo", process=True)
+        algo_opts, vllm_opts = dict(DRY_LEVERS), {}
+    return {
+        "run": {"name": p.name.replace("-", "_").replace(".", "_"), "dir": str(WORK / p.name), "seed": 0,
+                "max_steps": W["warmup"] + W["steps"] + 1},
+        "task": {"name": "synthetic", "eval_size": 0,
+                 "params": {"prompt_tokens": W["prompt_tokens"], "completion_tokens": W["completion_tokens"],
+                            "words": SHAPES[p.workload]["vocab_size"] - N_SPECIAL}},
+        "models": {"policy": {"path": str(model), "dtype": "float32" if dry else "bfloat16"}},
+        "algo": {"name": p.algo, "group_size": W["group"], "kl_coef": W["kl_coef"], "kl_estimator": "k3",
+                 "kl_in": "loss", "lr": W["lr"], "critic_lr": 1e-5, "ppo_epochs": 1,
+                 "minibatch_size": W["prompts_per_step"] * W["group"], "micro_batch_size": W["micro_batch"],
+                 **algo_opts},
+        # A dry run has no vLLM: the transformers engine stands in, so the harness itself is exercised.
+        "generation": {"engine": p.engine, "device": device, "process": p.process,
+                       "max_new_tokens": W["completion_tokens"], "temperature": 1.0,
+                       "micro_batch": 0,  # vLLM: no cap on sequences per engine step
+                       **({} if p.engine != "vllm" else
+                          {"vllm": {"gpu_memory_utilization": 0.2, "max_model_len": 512, **vllm_opts}})},
+        "batch": {"prompts_per_step": W["prompts_per_step"], "prompts_per_message": W["prompts_per_step"]},
+        "services": svc,
+        # Generation of step n+1 overlaps training of step n; nothing is resent during a slow start.
+        "flow": {"max_staleness": 1, "resend_after_s": 900.0, "rpc_timeout_s": 900.0},
+        "checkpoint": {"every": 1000},
+    }
+
+
+def _effective(cfg: dict[str, Any]) -> str:
+    """A fleet's configuration without what only names it (run name/dir, ports): equal means same run."""
+    c = json.loads(json.dumps(cfg))
+    c["run"].pop("name")
+    c["run"].pop("dir")
+    c.pop("services")
+    return json.dumps(c, sort_keys=True)
+
+
+def phase_fleet(p: Phase, cap: float, gpu: GpuSampler, port_base: int) -> dict[str, Any]:
+    cfg = fleet_config(p, model_dir(p.workload), port_base)
     run_dir = Path(cfg["run"]["dir"])
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    cfg_path = WORK / f"{name}.yaml"
+    cfg_path = WORK / f"{p.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    log = WORK / f"{name}.log"
+    log = WORK / f"{p.name}.log"
     cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(cfg_path), "--ready-timeout", str(int(cap))]
     say("$", " ".join(cmd), f"(cap {cap:.0f} s, log {log})")
     t0 = time.time()
@@ -303,32 +411,47 @@ def phase_fleet(name: str, engine: str, algo: str, model: Path, cap: float, gpu:
         if rc is None:
             _kill_group(proc)
             rc = 124
-    res: dict[str, Any] = {"rc": rc, "t0": t0, "t1": time.time(), "log_tail": tail(log), "config": cfg}
+    res: dict[str, Any] = {"rc": rc, "t0": t0, "t1": time.time(), "log_tail": tail(log), "config": cfg,
+                           "effective": _effective(cfg)}
     rows = [r for r in read_rows(run_dir / "metrics.jsonl") if "step_s" in r]
     res["rows"] = rows
+    res["engine_start_s"] = engine_start_s(run_dir)
     steady = [r for r in rows if first < int(r["step"]) <= last]
+    if rows and int(rows[0]["step"]) == 1:
+        res["first_step_s"] = float(rows[0]["time"]) - t0
     if len(steady) < max(2, W["steps"] // 2):
         res["error"] = f"only {len(steady)} steady steps recorded"
         return res
     step_s = statistics.median(float(r["step_s"]) for r in steady)
-    samples = statistics.median(int(r["samples"]) for r in steady)
-    tokens = statistics.median(int(r["tokens"]) for r in steady)
-    w0 = next(float(r["time"]) for r in rows if int(r["step"]) == first) if any(
-        int(r["step"]) == first for r in rows) else float(steady[0]["time"]) - float(steady[0]["step_s"])
+    w0 = next((float(r["time"]) for r in rows if int(r["step"]) == first),
+              float(steady[0]["time"]) - float(steady[0]["step_s"]))
     w1 = float(steady[-1]["time"])
     stages: dict[str, float] = {"advantage": statistics.median(float(r.get("advantage_s", 0.0)) for r in steady)}
     if first in snaps and last in snaps:
         a, b = snaps[first][1], snaps[last][1]
-        n = last - first
         for k in b:
-            stages[k] = (b[k] - a.get(k, 0.0)) / n
+            stages[k] = (b[k] - a.get(k, 0.0)) / (last - first)
+    tokens = statistics.median(int(r["tokens"]) for r in steady)
     gen_s = stages.get("generate")
     res.update(ok=True, window=(w0, w1), steps_measured=len(steady), median_step_s=step_s,
-               samples_per_s=samples / step_s, tokens_per_s=tokens / step_s,
-               window_samples_per_s=sum(int(r["samples"]) for r in steady) / (w1 - w0) if w1 > w0 else None,
+               samples_per_s=statistics.median(int(r["samples"]) for r in steady) / step_s,
+               tokens_per_s=tokens / step_s,
+               train_s=statistics.median(float(r.get("train_s", 0.0)) for r in steady),
+               off_policy=statistics.fmean(float(r.get("off_policy", 0.0)) for r in steady),
+               response_len=statistics.median(float(r.get("response_len_mean", W["completion_tokens"]))
+                                              for r in steady),
                stages=stages, generate_tokens_per_s=(tokens / gen_s) if gen_s else None,
                gpu_util=mean_util(gpu.between(w0, w1)))
     return res
+
+
+def engine_start_s(run_dir: Path) -> float | None:
+    """vLLM's own start-up seconds, from the actor's log line (`... started in 42.0s`)."""
+    for log in sorted((run_dir / "logs").glob("actor*.log")) if (run_dir / "logs").is_dir() else []:
+        m = re.search(r"vLLM engine: .* started in ([0-9.]+)s", log.read_text(errors="replace"))
+        if m:
+            return float(m.group(1))
+    return None
 
 
 VLLM_ALONE = r'''
@@ -338,42 +461,39 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from services.models.loading import load_tokenizer
 from bench.vs_trl import W, synthetic_task
-model, out = Path(sys.argv[1]), Path(sys.argv[2])
+model, out, workload = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 tok = load_tokenizer(model)
-task = synthetic_task()
+task = synthetic_task(workload)
 ids = [tok(task.prompt(i).text)["input_ids"] for i in range(W["prompts_per_step"])]
 prompts = [TokensPrompt(prompt_token_ids=p) for p in ids for _ in range(W["group"])]
 llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.2,
           max_model_len=512, seed=0)
 res = {}
-for name, kw in (("plain", {}), ("logprobs", {"logprobs": 0}), ("logprobs_seeded", {"logprobs": 0, "seeded": True})):
-    seeded = kw.pop("seeded", False)
-    def params(i):
-        return SamplingParams(max_tokens=W["completion_tokens"], temperature=1.0, detokenize=False,
-                              seed=(i * 7919 + 1) if seeded else None, **kw)
-    ps = [params(i) for i in range(len(prompts))]
+for name, kw in (("plain", {}), ("logprobs", {"logprobs": 0})):
+    ps = SamplingParams(max_tokens=W["completion_tokens"], min_tokens=W["completion_tokens"], temperature=1.0,
+                        detokenize=False, **kw)
     llm.generate(prompts, ps, use_tqdm=False)
     times, toks = [], []
-    for _ in range(3):
+    for _ in range(2):
         t = time.perf_counter()
         outs = llm.generate(prompts, ps, use_tqdm=False)
         times.append(time.perf_counter() - t)
         toks.append(sum(len(o.outputs[0].token_ids) for o in outs))
-    rates = [n / s for n, s in zip(toks, times)]
-    res[name] = {"seconds": times, "tokens": toks, "tokens_per_s": statistics.median(rates)}
+    res[name] = {"seconds": times, "tokens": toks,
+                 "tokens_per_s": statistics.median(n / s for n, s in zip(toks, times))}
     print(name, res[name]["tokens_per_s"], flush=True)
 out.write_text(json.dumps(res))
 '''
 
 
-def phase_vllm_alone(model: Path, cap: float, gpu: GpuSampler) -> dict[str, Any]:
-    out, log = WORK / "vllm-alone.json", WORK / "vllm-alone.log"
+def phase_vllm_alone(p: Phase, cap: float, gpu: GpuSampler) -> dict[str, Any]:
+    out, log = WORK / f"{p.name}.json", WORK / f"{p.name}.log"
     t0 = time.time()
     try:
         import vllm  # noqa: F401
     except ImportError:
         return {"rc": None, "t0": t0, "t1": t0, "error": "vllm is not installed"}
-    rc = run_proc([sys.executable, "-c", VLLM_ALONE, str(model), str(out)], log, cap)
+    rc = run_proc([sys.executable, "-c", VLLM_ALONE, str(model_dir(p.workload)), str(out), p.workload], log, cap)
     res: dict[str, Any] = {"rc": rc, "t0": t0, "t1": time.time(), "log_tail": tail(log)}
     if out.exists():
         res.update(ok=True, variants=json.loads(out.read_text()))
@@ -391,7 +511,32 @@ def versions() -> dict[str, str]:
     return out
 
 
+def run_phase(p: Phase, cap: float, gpu: GpuSampler, done: dict[str, Any], index: int) -> dict[str, Any]:
+    if p.kind in ("trl", "trl-vllm"):
+        if DRY:  # both TRL phases of a dry run are the same CPU run (generate); the first one stands
+            same = next((k for k, v in done.items() if v.get("kind_dry") == "trl" and v.get("ok")), None)
+            if same:
+                return {**done[same], "reused_from": same}
+        return {**phase_trl(p, cap, gpu), "kind_dry": "trl"}
+    if p.kind == "vllm-alone":
+        return phase_vllm_alone(p, cap, gpu)
+    if DRY:
+        # What the GPU run will start must at least be a valid config: a wrong option fails here.
+        from services.core.config import parse_config
+
+        gpu_cfg = parse_config(fleet_config(p, model_dir(p.workload), 0, dry=False), source=p.name)
+        checked = {"gpu_config_ok": True, "gpu_algo": gpu_cfg.algo.name, "gpu_engine": gpu_cfg.generation.engine}
+        eff = _effective(fleet_config(p, model_dir(p.workload), 0))
+        same = next((k for k, v in done.items() if v.get("effective") == eff and v.get("ok")), None)
+        if same:
+            return {**done[same], **checked, "reused_from": same}
+        return {**phase_fleet(p, cap, gpu, 51100 + 20 * (index % 40)), **checked}
+    return phase_fleet(p, cap, gpu, 51100 + 20 * (index % 40))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    chosen = select(args.phases or args.only)
+    print_plan(chosen, args.deadline_s)
     WORK.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -399,207 +544,67 @@ def cmd_run(args: argparse.Namespace) -> int:
     gpu.start()
     result: dict[str, Any] = {"command": " ".join(["python -m bench.vs_trl", *sys.argv[1:]]), "dry": DRY,
                               "gpu": gpu.name or "none", "versions": versions(), "workload": W,
-                              "model": {k: QWEN05[k] for k in ("hidden_size", "num_hidden_layers",
-                                                               "num_attention_heads", "num_key_value_heads",
-                                                               "vocab_size")},
-                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "phases": {}}
-    model = WORK / "model"
-    say("building the model")
-    build_model(model)
+                              "shapes": SHAPES,
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "phases": {},
+                              "plan": {p.name: {"group": p.group, "est_s": p.est_s} for p in chosen}}
+    for w in dict.fromkeys(p.workload for p in chosen):
+        say(f"building the {w} model")
+        build_model(w)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     path = args.out / f"vs_trl-{stamp}.json"
-    plan: list[tuple[str, float, Any]] = [
-        ("trl", 200, lambda cap: phase_trl(model, cap, gpu)),
-        ("fleet-vllm-grpo-proc", 220,
-         lambda cap: phase_fleet("fleet-vllm-grpo-proc", "vllm", "grpo", model, cap, gpu, process=True)),
-        ("fleet-vllm-grpo", 220, lambda cap: phase_fleet("fleet-vllm-grpo", "vllm", "grpo", model, cap, gpu)),
-        ("vllm-alone", 120, lambda cap: phase_vllm_alone(model, cap, gpu)),
-        ("fleet-vllm-ppo", 220,
-         lambda cap: phase_fleet("fleet-vllm-ppo", "vllm", "ppo", model, cap, gpu, process=True)),
-        ("fleet-hf-grpo", 300, lambda cap: phase_fleet("fleet-hf-grpo", "transformers", "grpo", model, cap, gpu)),
-    ]
-    only = set(args.only.split(",")) if args.only else None
-    for name, cap, fn in plan:
-        if only is not None and name not in only:
-            continue
+    for i, p in enumerate(chosen):
         left = args.deadline_s - (time.monotonic() - start)
-        if left < 45:
-            result["phases"][name] = {"skipped": f"{left:.0f} s left of the {args.deadline_s:.0f} s deadline"}
+        if left < min(p.est_s * 0.6, 60):
+            result["phases"][p.name] = {"skipped": f"{left:.0f} s left of the {args.deadline_s:.0f} s deadline"}
             continue
-        say(f"phase {name}")
+        say(f"phase {p.name} (estimate {p.est_s:.0f} s, {left:.0f} s left)")
         try:
-            result["phases"][name] = fn(min(cap, left - 15))
+            result["phases"][p.name] = run_phase(p, min(max(p.est_s * 2.5, 60), left - 10), gpu,
+                                                 result["phases"], i)
         except Exception as err:  # one broken phase must not cost the others
-            result["phases"][name] = {"error": f"{type(err).__name__}: {err}"}
-        p = result["phases"][name]
-        say(f"phase {name}: " + json.dumps({k: p.get(k) for k in ("rc", "ok", "samples_per_s", "gpu_util", "error")}))
+            result["phases"][p.name] = {"error": f"{type(err).__name__}: {err}"}
+        ph = result["phases"][p.name]
+        ph["seconds"] = time.time() - float(ph.get("t0", time.time()))
+        say(f"phase {p.name}: " + json.dumps({k: ph.get(k) for k in ("rc", "ok", "samples_per_s", "gpu_util",
+                                                                      "first_step_s", "error", "reused_from")}))
         result["gpu_samples"] = gpu.samples
         path.write_text(json.dumps(result, default=str))  # after every phase: a cut-off run keeps what it has
     gpu.stop.set()
     result["gpu_samples"] = gpu.samples
+    result["wall_s"] = time.monotonic() - start
     path.write_text(json.dumps(result, default=str))
-    say(f"wrote {path}")
-    report(path, args.out, update_benchmarks=args.update_benchmarks)
+    say(f"wrote {path} after {result['wall_s']:.0f} s")
+    from bench.vs_trl_report import report
+
+    report([path], args.out, update_benchmarks=args.update_benchmarks)
     return 0
-
-
-# -- report -----------------------------------------------------------------------------------------
-def _f(x: Any, nd: int = 1) -> str:
-    return "—" if x is None else f"{x:,.{nd}f}"
-
-
-def render(res: dict[str, Any], json_name: str) -> str:
-    ph = res["phases"]
-    trl = ph.get("trl", {})
-    base = trl.get("samples_per_s")
-    lines = [
-        MARK_BEGIN,
-        "## rlfleet vs TRL on one GPU (issue 7)\n",
-        "```\n" + res["command"] + "\n```\n",
-        f"GPU: {res['gpu']}; " + ", ".join(f"{k} {v}" for k, v in res["versions"].items())
-        + f". Raw numbers: `bench/results/{json_name}`; utilization plots `bench/results/util-*.png`.\n",
-        f"Workload: Qwen2-shaped model {res['model']}, random weights, bf16; {res['workload']['prompt_tokens']}-token "
-        f"prompts, {res['workload']['completion_tokens']}-token completions, groups of {res['workload']['group']}, "
-        f"{res['workload']['prompts_per_step'] * res['workload']['group']} completions per step, medians over "
-        f"{res['workload']['steps']} steps after {res['workload']['warmup']} warm-up steps.\n",
-        "| configuration | samples/s | tokens/s | step s | mean GPU util % | vs TRL |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    labels = {"trl": "TRL GRPOTrainer (generate)",
-              "fleet-vllm-grpo-proc": "rlfleet GRPO, engine: vllm in its own process",
-              "fleet-vllm-grpo": "rlfleet GRPO, engine: vllm",
-              "fleet-vllm-ppo": "rlfleet PPO + critic, engine: vllm",
-              "fleet-hf-grpo": "rlfleet GRPO, engine: transformers"}
-    for key, label in labels.items():
-        if key not in ph:
-            continue  # not a phase of this run (an older harness)
-        p = ph[key]
-        if not p.get("ok"):
-            why = p.get("skipped") or p.get("error") or f"exit {p.get('rc')}"
-            lines.append(f"| {label} | not measured: {why} | | | | |")
-            continue
-        ratio = p["samples_per_s"] / base if base else None
-        vs = _f(ratio, 2) + "×" if ratio else "—"
-        lines.append(f"| {label} | {_f(p['samples_per_s'])} | {_f(p['tokens_per_s'], 0)} | {_f(p['median_step_s'], 2)}"
-                     f" | {_f(p.get('gpu_util'))} | {vs} |")
-    lines += ["", "Seconds per step by stage (fleet: service histograms over the steady window; stages overlap"
-              " across services, so they need not add up to the step):", "",
-              "| configuration | " + " | ".join(STAGES) + " |", "| --- |" + " ---: |" * len(STAGES)]
-    for key in FLEETS:
-        p = ph.get(key, {})
-        if p.get("ok"):
-            st = p.get("stages", {})
-            lines.append(f"| {labels[key]} | " + " | ".join(_f(st.get(s), 2) for s in STAGES) + " |")
-    if trl.get("ok") and trl.get("stages"):
-        lines += ["", "TRL's own per-step timers (median seconds): "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(trl["stages"].items()))]
-    va = ph.get("vllm-alone", {})
-    if va.get("ok"):
-        v = va["variants"]
-        lines += ["", "Generation, 256 sequences × 256 tokens: vLLM `LLM.generate` alone "
-                  + ", ".join(f"{k} {_f(x['tokens_per_s'], 0)} tok/s" for k, x in v.items())]
-        for key in FLEETS[:3]:
-            g = ph.get(key, {}).get("generate_tokens_per_s")
-            ref = v.get("logprobs", {}).get("tokens_per_s")
-            if g and ref:
-                lines.append(f"- {labels[key]}: generate stage {_f(g, 0)} tok/s = {g / ref:.2f}× vLLM alone"
-                             " with log-probs")
-    lines += ["", "Targets (issue 7), from this run:", "", *targets(ph)]
-    lines.append(MARK_END)
-    return "\n".join(lines) + "\n"
-
-
-def targets(ph: dict[str, Any]) -> list[str]:
-    """Each target of issue 7 with its measured value and met / missed (or not measured)."""
-    trl = ph.get("trl", {})
-    # The faster of the two vLLM GRPO fleets (engine in the actor's process or in its own).
-    measured = [ph[k] for k in FLEETS[:2] if ph.get(k, {}).get("ok")]
-    fleet: dict[str, Any] = max(measured, key=lambda p: p["samples_per_s"], default={})
-    alone = ph.get("vllm-alone", {}).get("variants", {}).get("logprobs", {}).get("tokens_per_s")
-    out = []
-
-    def line(what: str, value: float | None, goal: float, fmt: str, higher: bool = True) -> None:
-        if value is None:
-            out.append(f"- {what}: not measured")
-            return
-        met = value >= goal if higher else value <= goal
-        out.append(f"- {what}: {fmt.format(value)} (target {fmt.format(goal)}): {'met' if met else 'missed'}")
-
-    ratio = (fleet["samples_per_s"] / trl["samples_per_s"]) if fleet.get("ok") and trl.get("ok") else None
-    line("rlfleet `engine: vllm` GRPO samples/s over TRL's", ratio, 2.5, "{:.2f}×")
-    line("mean GPU utilization in rlfleet's steady state", fleet.get("gpu_util"), 80.0, "{:.1f}%")
-    gen = fleet.get("generate_tokens_per_s")
-    line("fleet generation stage over standalone vLLM (same sampling: per-token log-probs)",
-         gen / alone if gen and alone else None, 0.9, "{:.2f}×")
-    return out
-
-
-def plots(res: dict[str, Any], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    samples = res.get("gpu_samples") or []
-    made = []
-    for key, p in res["phases"].items():
-        if "t0" not in p:
-            continue
-        pts = [(t - p["t0"], u) for t, u, _ in samples if p["t0"] <= t <= p["t1"]]
-        fig, ax = plt.subplots(figsize=(7, 2.6), dpi=80)
-        if pts:
-            ax.plot([x for x, _ in pts], [y for _, y in pts], lw=0.8)
-        if p.get("window"):
-            ax.axvspan(p["window"][0] - p["t0"], p["window"][1] - p["t0"], alpha=0.15, color="green",
-                       label=f"steady: mean {_f(p.get('gpu_util'))}%")
-            ax.legend(loc="lower right", fontsize=8)
-        ax.set_ylim(0, 105)
-        ax.set_xlabel("seconds since phase start")
-        ax.set_ylabel("GPU util %")
-        ax.set_title(f"{key} ({res['gpu']})", fontsize=9)
-        fig.tight_layout()
-        path = out / f"util-{key}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        made.append(path)
-    return made
-
-
-def report(path: Path, out: Path, update_benchmarks: bool) -> None:
-    res = json.loads(path.read_text())
-    out.mkdir(parents=True, exist_ok=True)
-    md = render(res, path.name)
-    (out / "vs_trl.md").write_text(md)
-    made = plots(res, out)
-    say(f"report: {out / 'vs_trl.md'}; plots: {', '.join(p.name for p in made) or 'none (no matplotlib)'}")
-    if update_benchmarks:
-        bm = REPO / "BENCHMARKS.md"
-        text = bm.read_text()
-        if MARK_BEGIN in text and MARK_END in text:
-            text = text[: text.index(MARK_BEGIN)] + md + text[text.index(MARK_END) + len(MARK_END) + 1:]
-        else:
-            text = text.rstrip("\n") + "\n\n" + md
-        bm.write_text(text)
-    print(md)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.vs_trl", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run every phase (GPU host), then write the report")
+    pl = sub.add_parser("plan", help="print the phases, their groups and estimated seconds")
+    pl.add_argument("--phases", default=None)
+    r = sub.add_parser("run", help="run the chosen phases (GPU host), then write the report")
     r.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    r.add_argument("--deadline-s", type=float, default=1500.0, help="skip phases that would start after this")
-    r.add_argument("--only", default=None, help="comma-separated phases to run")
+    r.add_argument("--deadline-s", type=float, default=570.0,
+                   help="bound on the whole call; a phase that would start too late is skipped")
+    r.add_argument("--phases", default=None,
+                   help=f"comma-separated phases or groups (default: {','.join(DEFAULT_GROUPS)}; 'all')")
+    r.add_argument("--only", default=None, help=argparse.SUPPRESS)  # the issue-7 spelling of --phases
     r.add_argument("--update-benchmarks", action="store_true", help="rewrite the section in BENCHMARKS.md")
-    rep = sub.add_parser("report", help="render BENCHMARKS.md's section and the plots from a results JSON")
-    rep.add_argument("--results", type=Path, required=True)
+    rep = sub.add_parser("report", help="merge results JSONs, render BENCHMARKS.md's section and the plots")
+    rep.add_argument("--results", type=Path, nargs="+", required=True)
     rep.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     rep.add_argument("--update-benchmarks", action="store_true")
     args = ap.parse_args(argv)
+    if args.cmd == "plan":
+        print_plan(select(args.phases), float("inf"))
+        return 0
     if args.cmd == "run":
         return cmd_run(args)
+    from bench.vs_trl_report import report
+
     report(args.results, args.out, args.update_benchmarks)
     return 0
 

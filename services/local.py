@@ -95,12 +95,13 @@ def run_local(
     dtype = cfg.models.policy.dtype
     policy = load_policy(cfg.models.policy, roles.policy_path, cfg.endpoint("actor").device, cfg.run.seed)
     engine = make_engine(cfg.generation.engine, roles.policy_path, dtype=cfg.generation.engine_dtype(dtype),
-                         **cfg.generation.engine_kwargs())
+                         **cfg.generation.engine_kwargs(cfg.run_dir))
     reward = RewardScorer(task, tok, model_path=reward_model_path(cfg))
     reference = (
         ReferenceScorer(load_causal_lm(roles.policy_path, dtype=dtype, device=cfg.endpoint("reference").device),
                         cfg.generation.temperature, micro_batch=cfg.algo.micro_batch_size,
-                        micro_tokens=cfg.algo.micro_batch_tokens, pack=cfg.algo.pack_sequences)
+                        micro_tokens=cfg.algo.micro_batch_tokens, pack=cfg.algo.pack_sequences,
+                        chunk_tokens=cfg.algo.logprob_chunk_tokens, compile=cfg.algo.compile)
         if cfg.algo.needs_reference else None
     )
     trainer = PolicyTrainer(policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,

@@ -52,7 +52,7 @@ class Actor:
         self.limits = Limits.for_run(cfg, vocab_size=int(self.policy.config.vocab_size))
         self.engine = make_engine(cfg.generation.engine, path,
                                   dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
-                                  **cfg.generation.engine_kwargs())
+                                  **cfg.generation.engine_kwargs(cfg.run_dir))
         self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
                                      gradient_checkpointing=cfg.models.policy.gradient_checkpointing)
         if cfg.models.policy.lora is not None:

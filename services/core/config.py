@@ -56,12 +56,24 @@ class VLLMOptions(_Strict):
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.35
     enforce_eager: bool = False
     max_model_len: Annotated[int, Field(ge=16)] | None = None
+    cudagraph_max_batch: Annotated[int, Field(ge=1)] | None = None
+    """Capture CUDA graphs only for decode batches up to this many sequences (vLLM's own sizes up to it,
+    plus this one): set it to the sequences a step generates to skip capturing sizes the run never
+    uses. null: vLLM's default sizes."""
+    compile_cache_dir: str | None = None
+    """vLLM's compile cache (torch.compile artefacts), kept across restarts; a relative path is taken
+    under run.dir. null: vLLM's default (~/.cache/vllm)."""
 
-    def engine_options(self) -> dict[str, Any]:
+    def engine_options(self, run_dir: Path | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"gpu_memory_utilization": self.gpu_memory_utilization,
                                "enforce_eager": self.enforce_eager}
         if self.max_model_len is not None:
             out["max_model_len"] = self.max_model_len
+        if self.cudagraph_max_batch is not None:
+            out["cudagraph_max_batch"] = self.cudagraph_max_batch
+        if self.compile_cache_dir is not None:
+            cache = Path(self.compile_cache_dir)
+            out["compile_cache_dir"] = str(cache if cache.is_absolute() or run_dir is None else run_dir / cache)
         return out
 
 
@@ -103,12 +115,12 @@ class GenerationSection(_Strict):
     def engine_dtype(self, policy_dtype: str) -> str:
         return self.dtype or policy_dtype
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `services.models.factory.make_engine`."""
+    def engine_kwargs(self, run_dir: Path | None = None) -> dict[str, Any]:
+        """Keyword arguments for `services.models.factory.make_engine`; `run_dir` anchors relative paths."""
         kw: dict[str, Any] = {"device": self.device, "micro_batch": self.micro_batch, "process": self.process,
                               "replicas": self.replicas, "tensor_parallel_size": self.tensor_parallel_size}
         if self.engine == "vllm":
-            kw.update(self.vllm.engine_options())
+            kw.update(self.vllm.engine_options(run_dir))
         return kw
 
 

@@ -8,10 +8,14 @@ for the left padding), which makes a row's result independent of how much paddin
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Literal, overload
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
 
 
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -61,6 +65,7 @@ def response_logprobs(
     temperature: float = ...,
     with_entropy: Literal[False] = ...,
     entropy_grad: bool = ...,
+    chunk_tokens: int = ...,
 ) -> torch.Tensor: ...
 
 
@@ -75,6 +80,7 @@ def response_logprobs(
     *,
     with_entropy: Literal[True],
     entropy_grad: bool = ...,
+    chunk_tokens: int = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -88,6 +94,7 @@ def response_logprobs(
     temperature: float = ...,
     with_entropy: bool = ...,
     entropy_grad: bool = ...,
+    chunk_tokens: int = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -100,6 +107,7 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`log softmax(logits / temperature)` at each response token, `[B, R]` float32, 0 at padding.
 
@@ -108,6 +116,12 @@ def response_logprobs(
     entropy of the same tempered distribution at each response position, `[B, R]`, 0 at padding;
     `entropy_grad=False` computes it outside autograd (a statistic only), which saves the two
     `[B, R, V]` tensors its backward would keep.
+
+    `chunk_tokens` > 0 never builds the `[B, R, V]` logits: the LM head runs on the hidden states of
+    the real response tokens only (padding skipped), `chunk_tokens` of them at a time, and under
+    autograd each chunk is recomputed in the backward pass (activation checkpointing), so the
+    vocabulary-sized tensors alive at any moment are `[chunk_tokens, V]`. Same numbers as the
+    whole-vocabulary path; models whose logits are more than `lm_head(hidden)` fall back to it.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -126,6 +140,11 @@ def response_logprobs(
         return (empty, empty.clone()) if with_entropy else empty
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask.bool(), rmask], dim=1)
+    if chunk_tokens > 0 and bool(rmask.any()):  # no real token at all: the plain path keeps the graph
+        parts = split_head(model)
+        if parts is not None:
+            return _chunked(parts, input_ids, attention_mask, response_ids, rmask, temperature,
+                            with_entropy, entropy_grad, chunk_tokens)
     # The last R+1 columns hold the predictions of the R response tokens (plus one past the end).
     logits = forward_logits(model, input_ids, attention_mask, keep_last=r + 1)[:, :-1]
     logits = logits.float()
@@ -140,3 +159,75 @@ def response_logprobs(
         src = logp_all if entropy_grad else logp_all.detach()
         entropy = -(src.exp() * src).sum(-1)
     return logp, entropy.masked_fill(~rmask, 0.0)
+
+
+_FALLBACK_SAID: set[str] = set()
+
+
+def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """(decoder, lm_head) of a causal LM whose logits are exactly `lm_head(decoder(...).last_hidden_state)`,
+    else None (soft-capped or scaled logits, or an unknown layout)."""
+    get_dec, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    cfg = getattr(model, "config", None)
+    scaled = any(getattr(cfg, k, None) not in (None, 1.0) for k in ("final_logit_softcapping", "logit_scale"))
+    head = get_head() if callable(get_head) and not scaled else None
+    decoder = get_dec() if callable(get_dec) and isinstance(head, nn.Linear) else None
+    if decoder is None or decoder is model or not isinstance(head, nn.Linear):
+        name = type(model).__name__
+        if name not in _FALLBACK_SAID:
+            _FALLBACK_SAID.add(name)
+            log.info("chunked log-probs: %s is not decoder + linear head; using the whole-vocabulary path", name)
+        return None
+    return decoder, head
+
+
+def _head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   temperature: float, entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # The same operations, in the same order, as the whole-vocabulary path (bit-for-bit per row).
+    logits = nn.functional.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return logp, logp.new_zeros(())
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        src = logp_all if entropy_grad else logp_all.detach()
+        return logp, -(src.exp() * src).sum(-1)
+
+
+def _chunked(parts: tuple[nn.Module, nn.Linear], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+             response_ids: torch.Tensor, rmask: torch.Tensor, temperature: float, with_entropy: bool,
+             entropy_grad: bool, chunk: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    decoder, head = parts
+    b, r = response_ids.shape
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask.long(),
+                  position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    # Column P + t - 1 predicts response token t; only real response tokens go through the head.
+    hidden = out.last_hidden_state[:, -(r + 1):-1][rmask]
+    tokens = response_ids.long()[rmask]
+    grad = torch.is_grad_enabled()
+    lps, ents = [], []
+    for i in range(0, hidden.shape[0], chunk):
+        args = (hidden[i:i + chunk], tokens[i:i + chunk], head.weight, head.bias, temperature, with_entropy,
+                entropy_grad)
+        lp, ent = (checkpoint(_head_logprobs, *args, use_reentrant=False) if grad
+                   else _head_logprobs(*args))
+        lps.append(lp)
+        if with_entropy:
+            ents.append(ent)
+    flat = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)
+    logp = torch.zeros(b, r, dtype=flat.dtype, device=flat.device).masked_scatter(rmask, flat)
+    if not with_entropy:
+        return logp
+    flat_e = torch.cat(ents) if ents else flat
+    return logp, torch.zeros(b, r, dtype=flat_e.dtype, device=flat_e.device).masked_scatter(rmask, flat_e)
+
+
+def compile_decoder(model: nn.Module, backend: str = "inductor") -> nn.Module:
+    """torch.compile the transformer body of `model` in place (the module its forward and the chunked
+    path both call), keeping parameter names, so state dicts and weight syncs are unchanged."""
+    parts = split_head(model)
+    target = parts[0] if parts is not None else model
+    target.compile(dynamic=None, backend=backend)
+    return target

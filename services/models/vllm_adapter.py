@@ -4,12 +4,14 @@
   in-process): the sampler patch that makes "processed" log-probs `log_softmax(logits / T)` before
   top-k/top-p, one bucket of a weight sync, and the model's device and dtype.
 - Reading vLLM's outputs into ours: per-token log-probs (flat or dict layout) and finish reasons.
+- Start-up options in vLLM's terms: CUDA-graph capture sizes and the compile cache.
 
 Nothing here imports vllm at module level: the backend stays importable without it.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -119,3 +121,32 @@ def finish_reason(reason: str | None) -> FinishReason:
         return "abort"
     return "stop"
 
+
+# vLLM's default CUDA-graph decode batch sizes (0.26): 1, 2, 4, then every 8 to 256, every 16 to 512.
+_VLLM_CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """vLLM's default capture sizes up to `max_batch`, and `max_batch` itself (the run's full batch)."""
+    if max_batch < 1:
+        raise EngineError(f"cudagraph_max_batch must be >= 1, got {max_batch}")
+    return sorted({s for s in _VLLM_CAPTURE_SIZES if s <= max_batch} | {max_batch})
+
+
+def compile_options(cudagraph_max_batch: int | None, compile_cache_dir: str | None,
+                    engine_kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`LLM(...)` keyword arguments and environment for the CUDA-graph and compile-cache options.
+
+    The cache goes through VLLM_CACHE_ROOT rather than `compilation_config.cache_dir`: vLLM keys its
+    cache by model and config hash under the root, while an explicit cache_dir is used as is (a
+    changed config would then reuse stale artefacts)."""
+    kwargs: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    if cudagraph_max_batch is not None:
+        comp = dict(engine_kwargs.get("compilation_config") or {})
+        comp["cudagraph_capture_sizes"] = capture_sizes(cudagraph_max_batch)
+        kwargs["compilation_config"] = comp
+    if compile_cache_dir is not None:
+        Path(compile_cache_dir).mkdir(parents=True, exist_ok=True)
+        env["VLLM_CACHE_ROOT"] = str(Path(compile_cache_dir).resolve())
+    return kwargs, env

@@ -49,7 +49,14 @@ from services.models.engine import (
     check_prompts,
 )
 from services.models.gate import CallGate
-from services.models.vllm_adapter import finish_reason, load_bucket, model_param_info, patch_sampler, sampled_logprobs
+from services.models.vllm_adapter import (
+    compile_options,
+    finish_reason,
+    load_bucket,
+    model_param_info,
+    patch_sampler,
+    sampled_logprobs,
+)
 from services.models.weights import check_version, check_weights, unique_named
 
 log = logging.getLogger(__name__)
@@ -199,6 +206,8 @@ class VLLMEngine:
         attention_backend: str | None = None,
         sync_bucket_mb: int = DEFAULT_SYNC_BUCKET_MB,
         seed: int = 0,
+        cudagraph_max_batch: int | None = None,
+        compile_cache_dir: str | None = None,
         **engine_kwargs: Any,
     ) -> VLLMEngine:
         """Start vLLM on the model directory `path` (a transformers directory with safetensors).
@@ -208,7 +217,8 @@ class VLLMEngine:
         RLFLEET_VLLM_ENFORCE_EAGER) skips torch.compile and CUDA graphs (fast start, slower decode);
         env RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES fixes the KV cache size instead of profiling for it.
         `micro_batch` > 0 caps the sequences per engine step (`max_num_seqs`). `device` must be a CUDA
-        device; pick the GPU with CUDA_VISIBLE_DEVICES.
+        device; pick the GPU with CUDA_VISIBLE_DEVICES. `cudagraph_max_batch` and `compile_cache_dir`:
+        see `compile_options`.
         """
         reason = vllm_unavailable_reason()
         if reason is not None:
@@ -223,6 +233,8 @@ class VLLMEngine:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise EngineError(f"model directory {path} has no config.json")
+        comp_kwargs, comp_env = compile_options(cudagraph_max_batch, compile_cache_dir, engine_kwargs)
+        os.environ.update(comp_env)  # before vllm reads its environment; one engine per process
         vllm = _import_vllm()
         util = gpu_memory_utilization if gpu_memory_utilization is not None else _env_float(
             "RLFLEET_VLLM_GPU_MEMORY_UTILIZATION", DEFAULT_GPU_MEMORY_UTILIZATION)
@@ -252,13 +264,14 @@ class VLLMEngine:
         if attention_backend:
             kwargs["attention_config"] = {"backend": attention_backend}
         kwargs.update(engine_kwargs)
+        kwargs.update(comp_kwargs)
         t0 = time.perf_counter()
         llm = vllm.LLM(**kwargs)
         log.info("vLLM engine: %s (%s, util %.2f, eager %s) started in %.1fs", path, dtype, util, eager,
                  time.perf_counter() - t0)
         return cls(llm, path, _eos_ids(path), int(config.get("vocab_size", 0)) or _vocab_from(expected),
                    expected, groups, sync_bucket_mb=sync_bucket_mb,
-                   options={k: v for k, v in kwargs.items() if k != "model"})
+                   options={k: v for k, v in kwargs.items() if k != "model"} | comp_env)
 
     # -- state ---------------------------------------------------------------------------------
     @property

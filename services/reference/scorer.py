@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.models.logprobs import response_logprobs
+from services.models.logprobs import compile_decoder, response_logprobs
 from services.rl.batch import Rollout
 from services.rl.micro import score_rows
 from services.rl.packing import packed_logprobs
@@ -13,18 +13,23 @@ from services.rl.packing import packed_logprobs
 
 class ReferenceScorer:
     """`micro_batch` rows or `micro_tokens` tokens (packed with `pack`) per forward, as the trainers'
-    `algo.micro_batch_size`, `micro_batch_tokens` and `pack_sequences`."""
+    `algo.micro_batch_size`, `micro_batch_tokens` and `pack_sequences`; `chunk_tokens` and `compile` as
+    `algo.logprob_chunk_tokens` and `algo.compile`."""
 
     def __init__(self, model: nn.Module, temperature: float, micro_batch: int = 0, micro_tokens: int = 0,
-                 pack: bool = False) -> None:
+                 pack: bool = False, chunk_tokens: int = 0, compile: bool = False) -> None:
         self.model = model.eval().requires_grad_(False)
         self.temperature = temperature
         self.micro_batch, self.micro_tokens, self.pack = micro_batch, micro_tokens, pack
+        self.chunk_tokens = chunk_tokens
+        if compile:
+            compile_decoder(self.model)
         self.device = next(model.parameters()).device
 
     def _plain(self, mb: Rollout) -> torch.Tensor:
-        return response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                 temperature=self.temperature)
+        out = response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                temperature=self.temperature, chunk_tokens=self.chunk_tokens)
+        return out if isinstance(out, torch.Tensor) else out[0]
 
     def _packed(self, mb: Rollout, bins: list[list[int]]) -> torch.Tensor:
         return packed_logprobs(self.model, mb, bins, temperature=self.temperature)[0]

@@ -16,5 +16,6 @@ def serve(cfg: RunConfig) -> None:
                            device=cfg.endpoint("reference").device)
     a = cfg.algo
     scorer = ReferenceScorer(model, cfg.generation.temperature, micro_batch=a.micro_batch_size,
-                             micro_tokens=a.micro_batch_tokens, pack=a.pack_sequences)
+                             micro_tokens=a.micro_batch_tokens, pack=a.pack_sequences,
+                             chunk_tokens=a.logprob_chunk_tokens, compile=a.compile)
     ScoringService(cfg, "reference", scorer.score).run()

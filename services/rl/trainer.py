@@ -10,7 +10,7 @@ from torch import nn
 
 from services.core.config import AlgoSection
 from services.models.critic import ValueModel
-from services.models.logprobs import response_logprobs
+from services.models.logprobs import compile_decoder, response_logprobs
 from services.rl.batch import Rollout
 from services.rl.losses import aggregate, kl_loss, policy_loss, value_loss
 from services.rl.micro import MicroBatch, part_of, plan, score_rows
@@ -45,6 +45,12 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
 
 
+def adamw(model: nn.Module, lr: float, fused: bool = False) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; `fused` picks torch's fused kernel (CUDA and CPU)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True if fused else None)
+
+
 def micro_weights(mb: Rollout, micro: int, agg: str) -> list[tuple[torch.Tensor, float]]:
     """Micro-batches of `micro` rows and their loss weights (`services.rl.micro.plan`)."""
     return [(m.rows, m.weight) for m in plan(mb, agg, size=micro)]
@@ -67,9 +73,9 @@ class PolicyTrainer:
         self.device = _device_of(model)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
-        self.opt = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=algo.lr, weight_decay=0.0
-        )
+        if algo.compile:
+            compile_decoder(model)
+        self.opt = adamw(model, algo.lr, algo.fused_optimizer)
 
     def _logprobs(self, r: Rollout, with_entropy: bool,
                   bins: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -79,7 +85,7 @@ class PolicyTrainer:
         out = response_logprobs(
             self.model, r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask,
             temperature=self.temperature, with_entropy=with_entropy,
-            entropy_grad=self.algo.entropy_coef > 0,
+            entropy_grad=self.algo.entropy_coef > 0, chunk_tokens=self.algo.logprob_chunk_tokens,
         )
         if isinstance(out, tuple):
             return out[0], out[1]
@@ -162,9 +168,7 @@ class ValueTrainer:
         self.device = _device_of(model)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
-        self.opt = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=algo.critic_lr, weight_decay=0.0
-        )
+        self.opt = adamw(model, algo.critic_lr, algo.fused_optimizer)
 
     def values(self, r: Rollout, bins: list[list[int]] | None = None) -> torch.Tensor:
         if bins is not None:

@@ -1,37 +1,163 @@
-"""The rlfleet-vs-TRL harness end to end in its CPU dry run (tiny model, transformers engine): every
-phase runs, the results JSON holds steady-state figures, and the report renders."""
+"""The rlfleet-vs-TRL harness (issue 16): the report's arithmetic on known numbers, and the CPU dry run of
+every phase (tiny model, transformers engine), so that the one GPU call does not fail on something a CPU
+could have caught."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from bench import vs_trl_report as rep
+
 REPO = Path(__file__).resolve().parents[2]
+QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+              intermediate_size=4864, vocab_size=151936)
+W = dict(prompts_per_step=32, group=8, prompt_tokens=64, completion_tokens=256, steps=5, warmup=2)
+
+
+def test_matmul_parameters_of_the_qwen2_shape() -> None:
+    # Per block: q and o 896², k and v 896·128, gate/up/down 896·4864; plus the 151,936 x 896 LM head.
+    per_block = 2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864
+    assert rep.matmul_params(QWEN05) == 24 * per_block + 151936 * 896 == 493_961_216
+
+
+def test_train_flops_are_six_n_per_token_plus_attention_plus_the_proximal_forward() -> None:
+    n, attn = rep.matmul_params(QWEN05), 24 * 896 * 320
+    assert rep.train_flops(QWEN05, 256, 320) == 256 * 320 * (6 * n + 12 * attn)
+    assert rep.train_flops(QWEN05, 256, 320, off_policy=1.0) == 256 * 320 * (8 * n + 16 * attn)
+
+
+def _fleet(sps: float, first: float, util: float = 90.0) -> dict[str, Any]:
+    step = 256 / sps
+    return {"ok": True, "samples_per_s": sps, "tokens_per_s": sps * 256, "median_step_s": step, "first_step_s": first,
+            "gpu_util": util, "train_s": 1.0, "off_policy": 1.0, "response_len": 256.0, "engine_start_s": 20.0,
+            "stages": {"generate": step * 0.6, "actor_train": 1.0}}
+
+
+def _result(reps05: list[float], reps15: list[float]) -> dict[str, Any]:
+    ph: dict[str, Any] = {"trl-vllm-0.5b": {**_fleet(40.0, 40.0), "stages": {}},
+                          "trl-vllm-1.5b": {**_fleet(25.0, 45.0), "stages": {}},
+                          "vllm-alone-0.5b": {"ok": True, "variants": {"plain": {"tokens_per_s": 50_000.0}}},
+                          "fleet-0.5b-chunked": _fleet(90.0, 60.0)}
+    for w, sps in (("0.5b", reps05), ("1.5b", reps15)):
+        for i, v in enumerate(sps, 1):
+            ph[f"fleet-{w}-r{i}"] = _fleet(v, 60.0 + i)
+    return {"command": "python -m bench.vs_trl run", "gpu": "H200", "versions": {"torch": "x"}, "workload": W,
+            "shapes": {"0.5b": QWEN05, "1.5b": QWEN05}, "phases": ph}
+
+
+def test_summary_takes_the_median_of_the_repeats_and_derives_mfu_and_the_floor() -> None:
+    s = rep.workload_summary(_result([80.0, 88.0, 84.0], [40.0, 41.0, 42.0]), "0.5b")
+    assert s["samples_per_s"] == 84.0 and s["ratio"] == pytest.approx(84.0 / 40.0)
+    assert s["spread"] == pytest.approx(8.0 / 84.0)
+    assert s["first_step_s"] == 62.0
+    assert s["mfu"] == pytest.approx(rep.train_flops(QWEN05, 256, 320, 1.0) / 989e12)
+    floor = 256 * 256 / 50_000 + rep.train_flops(QWEN05, 256, 320) / (0.5 * 989e12)
+    assert s["floor"]["step_s"] == pytest.approx(floor)
+    assert s["floor_fraction"] == pytest.approx(floor / (256 / 84.0))
+
+
+def test_targets_say_met_or_missed_and_what_holds_a_miss_back() -> None:
+    lines = rep.targets(_result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0]))
+    by = {line.split(":")[0] + ":" + line.split(":")[1]: line for line in lines}
+    assert "**met**" in by["- 0.5b: rlfleet GRPO over TRL with vLLM, samples/s"]  # 2.10x >= 2x
+    miss = by["- 1.5b: rlfleet GRPO over TRL with vLLM, samples/s"]  # 1.40x < 1.6x
+    assert "**missed**" in miss and "the step must drop from 7.31 s to 6.40 s" in miss and "generate" in miss
+    assert "**met**" in by["- 0.5b: spread of the 3 repeats ((max − min) / median)"]
+    assert "**missed**" in by["- 1.5b: spread of the 3 repeats ((max − min) / median)"]  # 29%
+    assert "**met**" in by["- 1.5b: time to first step, rlfleet minus TRL with vLLM"]  # 62 - 45 = 17 s
+    assert "**met**" in by["- 0.5b: time to first step, rlfleet minus TRL with vLLM"]  # 62 - 40 = 22 s
+    slow = _result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0])
+    slow["phases"]["trl-vllm-1.5b"]["first_step_s"] = 20.0
+    (late,) = [line for line in rep.targets(slow) if line.startswith("- 1.5b: time to first step")]
+    assert "42 s (target 30 s): **missed**; rlfleet 62 s (vLLM engine start 20 s of it), TRL 20 s" in late
+    md = rep.render(_result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0]))
+    assert "| **rlfleet, median of 3** (spread 10%) | **84.0** |" in md
+    assert "| chunked log-probs (`algo.logprob_chunk_tokens: 1024`) | 90.0 | 1.07× |" in md
+    assert "| torch.compile of trainer and reference (`algo.compile`) | not measured: not run |" in md
+
+
+def test_merge_keeps_a_measured_phase_over_a_later_failure(tmp_path: Path) -> None:
+    a, b = _result([80.0], [40.0]), _result([70.0], [40.0])
+    b["phases"]["fleet-0.5b-r1"] = {"error": "cut off"}
+    b["phases"]["fleet-0.5b-r2"] = _fleet(75.0, 60.0)
+    for name, r in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(r))
+    m = rep.merge([tmp_path / "a.json", tmp_path / "b.json"])
+    assert m["phases"]["fleet-0.5b-r1"]["samples_per_s"] == 80.0 and m["phases"]["fleet-0.5b-r2"]["ok"]
+    assert m["files"] == ["a.json", "b.json"] and len(m["commands"]) == 2
+
+
+def test_default_plan_fits_a_thirty_minute_session_with_install() -> None:
+    proc = subprocess.run([sys.executable, "-m", "bench.vs_trl", "plan"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "BENCH_DRY": ""})
+    assert proc.returncode == 0, proc.stderr
+    groups = [line for line in proc.stdout.splitlines() if "group " in line]
+    assert [g.split("group ")[1].split(":")[0] for g in groups] == ["0.5b", "1.5b", "levers"]
+    minutes = [float(g.split("~")[1].split(" min")[0]) for g in groups]
+    assert all(m < 10 for m in minutes) and sum(minutes) <= 26, minutes  # 30 min minus ~4 of install
 
 
 @pytest.mark.slow
-def test_dry_run_measures_every_phase_and_renders_the_report(tmp_path: Path) -> None:
+def test_dry_run_exercises_every_phase_and_renders_the_report(tmp_path: Path) -> None:
     pytest.importorskip("trl", reason="TRL is the peer; without it there is nothing to compare")
-    env = {**os.environ, "BENCH_DRY": "1", "BENCH_WORK": str(tmp_path / "work")}
+    env = {**os.environ, "BENCH_DRY": "1", "BENCH_WORK": str(tmp_path / "work"), "CUDA_VISIBLE_DEVICES": ""}
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "bench.vs_trl", "run", "--out", str(out), "--deadline-s", "400"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+    proc = subprocess.run([sys.executable, "-m", "bench.vs_trl", "run", "--phases", "all", "--out", str(out),
+                           "--deadline-s", "400"], cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = out.glob("vs_trl-*.json")
     res = json.loads(path.read_text())
     ph = res["phases"]
-    for name in ("trl", "fleet-vllm-grpo-proc", "fleet-vllm-grpo", "fleet-vllm-ppo", "fleet-hf-grpo"):
-        assert ph[name].get("ok"), (name, ph[name].get("error"), ph[name].get("log_tail"))
-        assert ph[name]["samples_per_s"] > 0 and ph[name]["steps_measured"] >= 2
-    assert ph["vllm-alone"]["error"] == "vllm is not installed"
-    # The PPO fleet times its critic stages; GRPO has none.
-    assert {"generate", "reference", "reward", "actor_train", "weight_sync", "advantage"} <= set(
-        ph["fleet-vllm-grpo"]["stages"])
-    assert {"critic", "critic_train"} <= set(ph["fleet-vllm-ppo"]["stages"])
+    from bench.vs_trl import phases
+
+    names = [p.name for p in phases()]
+    assert set(ph) == set(names)
+    for p in phases():
+        got = ph[p.name]
+        if p.kind == "vllm-alone":
+            assert got["error"] == "vllm is not installed"
+            continue
+        assert got.get("ok"), (p.name, got.get("error"), got.get("log_tail"))
+        assert got["samples_per_s"] > 0 and got["steps_measured"] >= 2 and got["first_step_s"] > 0
+        if p.kind == "fleet":
+            assert got["gpu_config_ok"] and got["gpu_engine"] == p.engine and got["gpu_algo"] == p.algo
+    # One TRL run and one fleet launch stand in for all: the others name the run they reuse.
+    assert {v.get("reused_from") for k, v in ph.items() if k.startswith("trl")} == {None, "trl-vllm-0.5b"}
+    assert {v.get("reused_from") for k, v in ph.items() if k.startswith("fleet")} == {None, "fleet-0.5b-r1"}
+    # The dry fleet is PPO with every service: the critic's stages are timed too.
+    assert {"generate", "reference", "reward", "critic", "actor_train", "critic_train", "weight_sync",
+            "advantage"} <= set(ph["fleet-0.5b-r1"]["stages"])
+    cfg = ph["fleet-0.5b-r1"]["config"]
+    assert cfg["algo"]["logprob_chunk_tokens"] > 0 and cfg["algo"]["fused_optimizer"] is True
+    assert cfg["generation"]["process"] is True
+
+    # The TRL peer's own JSON (what the GPU run's TRL phases write).
+    trl = json.loads((tmp_path / "work" / "trl-vllm-0.5b.json").read_text())
+    w = res["workload"]
+    per_step = w["prompts_per_step"] * w["group"]
+    assert trl["ok"] is True and trl["framework"] == "trl" and trl["device"] == "cpu"
+    assert trl["trl_version"] and trl["transformers_version"] and trl["torch_version"]
+    for key in ("prompts_per_step", "group", "micro_batch", "steps", "warmup", "prompt_tokens", "completion_tokens"):
+        assert trl["config"][key] == w[key], key
+    assert trl["config"]["completions_per_step"] == per_step
+    assert trl["grpo_config"]["generation_batch_size"] == per_step
+    steps = trl["steps"]
+    assert [s["step"] for s in steps] == list(range(1, w["warmup"] + w["steps"] + 1))
+    assert all(a["t_end"] <= b["t_begin"] for a, b in itertools.pairwise(steps))
+    # min_new_tokens forces every completion to the full budget.
+    assert trl["exact_length_completions"] is True and trl["completion_tokens_source"] == "trl_logged_mean_length"
+    assert [s["completion_tokens"] for s in steps] == [per_step * w["completion_tokens"]] * len(steps)
+    assert trl["steady"]["tokens_per_s"] == pytest.approx(trl["steady"]["samples_per_s"] * w["completion_tokens"])
+
     md = (out / "vs_trl.md").read_text()
-    assert "| TRL GRPOTrainer (generate) |" in md and "vs TRL" in md
+    assert "| TRL GRPOTrainer, vLLM colocated |" in md and "Dry run on a CPU" in md
+    assert md.count("**rlfleet, median of 3**") == 2 and "### Levers" in md
+    assert "0.5b: rlfleet GRPO over TRL with vLLM, samples/s" in md

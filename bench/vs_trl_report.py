@@ -1,0 +1,312 @@
+"""The report of `bench.vs_trl`: merge the results of one or more calls, derive the figures issue 16 asks
+for (medians and spread of the repeats, time to first step, the trainer's model FLOP utilization, the
+per-step floor) and render BENCHMARKS.md's section with every target met or missed.
+
+Model FLOPs (stated in BENCHMARKS.md): a sequence of T tokens (prompt + completion) costs, per token,
+6·N + 12·L·d·T for a forward and backward pass and 2·N + 4·L·d·T for a forward pass, where N counts the
+parameters that multiply activations (every linear layer of the L blocks plus the LM head; the embedding
+lookup is free) and d is the hidden size (PaLM's accounting, causal masking not discounted). The trainer
+runs one forward + backward of every sequence and, for a batch generated under an older version, one
+extra no-grad forward (the proximal log-probs): MFU = those FLOPs / (actor train seconds × 989 TFLOP/s,
+H200 bf16 dense). The per-step floor is generation at plain vLLM speed (`vllm-alone`, no log-probs) plus
+the forward + backward at 50% MFU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PEAK_FLOPS = 989e12  # H200 SXM bf16 dense
+FLOOR_MFU = 0.5
+MARK_BEGIN, MARK_END = "<!-- vs_trl:begin -->", "<!-- vs_trl:end -->"
+STAGES = ("generate", "reference", "reward", "critic", "advantage", "actor_train", "critic_train", "weight_sync")
+REPEATS = ("r1", "r2", "r3")
+TARGET_RATIO = {"0.5b": 2.0, "1.5b": 1.6}
+TARGET_SPREAD, TARGET_UTIL, TARGET_TTFS_GAP = 0.10, 85.0, 30.0
+LEVER_LABEL = {"chunked": "chunked log-probs (`algo.logprob_chunk_tokens: 1024`)",
+               "fused": "fused AdamW (`algo.fused_optimizer`)",
+               "compile": "torch.compile of trainer and reference (`algo.compile`)",
+               "graphs": "CUDA graphs up to 256 sequences + compile cache in RUN_DIR (`generation.vllm`)"}
+EXTRA_LABEL = {"trl-0.5b": "TRL GRPOTrainer (`model.generate`)", "fleet-0.5b-ppo": "rlfleet PPO + critic",
+               "fleet-0.5b-hf": "rlfleet GRPO, transformers engine",
+               "fleet-0.5b-inproc": "rlfleet GRPO, vLLM in the actor's process"}
+
+
+# -- arithmetic -----------------------------------------------------------------------------------
+def matmul_params(shape: dict[str, Any]) -> int:
+    """Parameters that multiply activations: the blocks' linear layers and the LM head."""
+    h, layers, inter, vocab = (int(shape[k]) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                                      "vocab_size"))
+    kv = int(shape["num_key_value_heads"]) * (h // int(shape["num_attention_heads"]))
+    return layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + vocab * h
+
+
+def train_flops(shape: dict[str, Any], sequences: float, seq_len: float, off_policy: float = 0.0) -> float:
+    """Model FLOPs of one trainer step: forward + backward of every sequence, plus a forward of the
+    off-policy share (the proximal log-probs)."""
+    n, attn = matmul_params(shape), shape["num_hidden_layers"] * shape["hidden_size"] * seq_len
+    tokens = sequences * seq_len
+    return tokens * (6 * n + 12 * attn) + off_policy * tokens * (2 * n + 4 * attn)
+
+
+def spread(values: list[float]) -> float | None:
+    """(max - min) / median: how far apart the repeats are."""
+    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else None
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """One result from several calls: a phase measured in a later call replaces a failed or absent one."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    out = {k: v for k, v in runs[0].items() if k not in ("phases", "gpu_samples")}
+    out["commands"] = [r["command"] for r in runs]
+    out["files"] = [Path(p).name for p in paths]
+    out["phases"], out["gpu_samples"] = {}, []
+    for r in runs:
+        out["gpu_samples"] += r.get("gpu_samples") or []
+        for name, ph in r["phases"].items():
+            if ph.get("ok") or not out["phases"].get(name, {}).get("ok"):
+                out["phases"][name] = ph
+    return out
+
+
+def workload_summary(res: dict[str, Any], w: str) -> dict[str, Any]:
+    """The figures of one workload: the peer, the three repeats, the floor and the targets' values."""
+    ph, W = res["phases"], res["workload"]
+    shape = res["shapes"][w]
+    peer = ph.get(f"trl-vllm-{w}", {})
+    reps = [ph[f"fleet-{w}-{r}"] for r in REPEATS if ph.get(f"fleet-{w}-{r}", {}).get("ok")]
+    alone = ph.get(f"vllm-alone-{w}", {}).get("variants", {})
+    s: dict[str, Any] = {"peer": peer, "repeats": reps}
+    if reps:
+        sps = [p["samples_per_s"] for p in reps]
+        s["samples_per_s"] = statistics.median(sps)
+        s["spread"] = spread(sps)
+        s["step_s"] = statistics.median(p["median_step_s"] for p in reps)
+        s["gpu_util"] = _median([p.get("gpu_util") for p in reps])
+        s["first_step_s"] = _median([p.get("first_step_s") for p in reps])
+        s["engine_start_s"] = _median([p.get("engine_start_s") for p in reps])
+        s["stages"] = {k: _median([p.get("stages", {}).get(k) for p in reps]) for k in STAGES}
+        seqs = W["prompts_per_step"] * W["group"]
+        seq_len = W["prompt_tokens"] + statistics.median(p.get("response_len", W["completion_tokens"]) for p in reps)
+        train_s = _median([p.get("train_s") for p in reps])
+        off = statistics.fmean(p.get("off_policy", 0.0) for p in reps)
+        if train_s:
+            s["mfu"] = train_flops(shape, seqs, seq_len, off) / (train_s * PEAK_FLOPS)
+        plain = alone.get("plain", {}).get("tokens_per_s")
+        if plain:
+            gen_floor = seqs * (seq_len - W["prompt_tokens"]) / plain
+            train_floor = train_flops(shape, seqs, seq_len) / (FLOOR_MFU * PEAK_FLOPS)
+            s["floor"] = {"generate_s": gen_floor, "train_s": train_floor, "step_s": gen_floor + train_floor}
+            s["floor_fraction"] = s["floor"]["step_s"] / s["step_s"]
+    if peer.get("ok") and reps:
+        s["ratio"] = s["samples_per_s"] / peer["samples_per_s"]
+    return s
+
+
+def _median(xs: list[Any]) -> float | None:
+    vals = [float(x) for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+# -- rendering ------------------------------------------------------------------------------------
+def _f(x: Any, nd: int = 1) -> str:
+    return "—" if x is None else f"{x:,.{nd}f}"
+
+
+def _why(p: dict[str, Any]) -> str:
+    return str(p.get("skipped") or p.get("error") or (f"exit {p.get('rc')}" if p else "not run"))
+
+
+def _row(label: str, p: dict[str, Any], base: float | None) -> str:
+    if p.get("reused_from"):
+        label += f" (dry: the run of {p['reused_from']})"
+    if not p.get("ok"):
+        return f"| {label} | not measured: {_why(p)} | | | | | |"
+    ratio = f"{p['samples_per_s'] / base:.2f}×" if base else "—"
+    return (f"| {label} | {_f(p['samples_per_s'])} | {_f(p['tokens_per_s'], 0)} | {_f(p['median_step_s'], 2)} | "
+            f"{_f(p.get('first_step_s'), 0)} | {_f(p.get('gpu_util'))} | {ratio} |")
+
+
+def _holding(s: dict[str, Any]) -> str:
+    st = {k: v for k, v in (s.get("stages") or {}).items() if v}
+    if not st:
+        return "no stage timings"
+    k = max(st, key=lambda x: st[x])
+    return f"the largest stage is {k} at {st[k]:.2f} s of the {s['step_s']:.2f} s step"
+
+
+def targets(res: dict[str, Any]) -> list[str]:
+    out = []
+
+    def line(what: str, value: float | None, goal: float, fmt: str, higher: bool, why: str = "") -> None:
+        if value is None:
+            out.append(f"- {what}: not measured")
+            return
+        met = value >= goal if higher else value <= goal
+        out.append(f"- {what}: {fmt.format(value)} (target {fmt.format(goal)}): **{'met' if met else 'missed'}**"
+                   + ("" if met or not why else f"; {why}"))
+
+    for w, goal in TARGET_RATIO.items():
+        s = workload_summary(res, w)
+        peer = s["peer"]
+        why = ""
+        if s.get("ratio") is not None:
+            need = res["workload"]["prompts_per_step"] * res["workload"]["group"] / (goal * peer["samples_per_s"])
+            why = (f"the step must drop from {s['step_s']:.2f} s to {need:.2f} s ({s['step_s'] - need:.2f} s); "
+                   + _holding(s))
+        line(f"{w}: rlfleet GRPO over TRL with vLLM, samples/s", s.get("ratio"), goal, "{:.2f}×", True, why)
+        reps = s["repeats"]
+        line(f"{w}: spread of the {len(reps)} repeats ((max − min) / median)", s.get("spread"), TARGET_SPREAD,
+             "{:.0%}", False, "samples/s " + ", ".join(f"{p['samples_per_s']:.1f}" for p in reps))
+        line(f"{w}: steady GPU utilization (median of the repeats)", s.get("gpu_util"), TARGET_UTIL, "{:.1f}%", True,
+             _holding(s) if s.get("step_s") else "")
+        gap = (s["first_step_s"] - peer["first_step_s"]) if s.get("first_step_s") and peer.get("first_step_s") else None
+        line(f"{w}: time to first step, rlfleet minus TRL with vLLM", gap, TARGET_TTFS_GAP, "{:.0f} s", False,
+             f"rlfleet {_f(s.get('first_step_s'), 0)} s (vLLM engine start {_f(s.get('engine_start_s'), 0)} s of it),"
+             f" TRL {_f(peer.get('first_step_s'), 0)} s" if gap is not None else "")
+    return out
+
+
+def render(res: dict[str, Any]) -> str:
+    ph, W = res["phases"], res["workload"]
+    seqs = W["prompts_per_step"] * W["group"]
+    cmds = "\n".join(res.get("commands") or [res["command"]])
+    files = ", ".join(f"`bench/results/{f}`" for f in res.get("files", []))
+    lines = [MARK_BEGIN, "## rlfleet vs TRL on one GPU (issues 7, 16)\n", "```\n" + cmds + "\n```\n",
+             f"GPU: {res['gpu']}; " + ", ".join(f"{k} {v}" for k, v in res["versions"].items())
+             + f". Raw numbers: {files}; utilization plots `bench/results/util-*.png`."
+             + (" **Dry run on a CPU: the numbers mean nothing.**" if res.get("dry") else "") + "\n",
+             f"Workload: Qwen2-shaped models, random weights, bf16, vocabulary {res['shapes']['0.5b']['vocab_size']:,};"
+             f" {W['prompt_tokens']}-token prompts, {W['completion_tokens']}-token completions, groups of {W['group']},"
+             f" {seqs} completions per step, medians over {W['steps']} steps after {W['warmup']} warm-up steps."
+             " Time to first step: from the launch of the process to the end of the first optimizer step.\n"]
+    for w in TARGET_RATIO:
+        s = workload_summary(res, w)
+        peer = s["peer"]
+        base = peer.get("samples_per_s") if peer.get("ok") else None
+        sh = res["shapes"][w]
+        lines += [f"### {w.upper()} shape (hidden {sh['hidden_size']}, {sh['num_hidden_layers']} layers, "
+                  f"{sh['num_attention_heads']} heads, {sh['num_key_value_heads']} KV heads, intermediate "
+                  f"{sh['intermediate_size']})\n",
+                  "| configuration | samples/s | tokens/s | step s | first step s | GPU util % | vs TRL+vLLM |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+                  _row("TRL GRPOTrainer, vLLM colocated", peer, base)]
+        if w == "0.5b":
+            lines.append(_row(EXTRA_LABEL["trl-0.5b"], ph.get("trl-0.5b", {"skipped": "phase trl-0.5b not run"}), base))
+        for r in REPEATS:
+            lines.append(_row(f"rlfleet GRPO, vLLM in its own process, {r}", ph.get(f"fleet-{w}-{r}", {}), base))
+        if s["repeats"]:
+            ratio = f"{s['ratio']:.2f}×" if s.get("ratio") else "—"
+            pct = _f((s.get("spread") or 0) * 100, 0)
+            lines.append(f"| **rlfleet, median of {len(s['repeats'])}** (spread {pct}%) | "
+                         f"**{_f(s['samples_per_s'])}** | | {_f(s['step_s'], 2)} | {_f(s.get('first_step_s'), 0)} | "
+                         f"{_f(s.get('gpu_util'))} | **{ratio}** |")
+        fl = s.get("floor")
+        lines += ["", f"- Trainer MFU: {_f((s.get('mfu') or 0) * 100 if s.get('mfu') else None)}% "
+                  f"({matmul_params(sh) / 1e6:,.0f}M matmul parameters; formula below)."]
+        if fl:
+            lines.append(f"- Per-step floor: {fl['generate_s']:.2f} s generation at plain vLLM speed + "
+                         f"{fl['train_s']:.2f} s "
+                         f"training at 50% MFU = {fl['step_s']:.2f} s; rlfleet's {s['step_s']:.2f} s step reaches "
+                         f"{s['floor_fraction']:.0%} of it.")
+        else:
+            lines.append(f"- Per-step floor: not measured ({_why(ph.get(f'vllm-alone-{w}', {}))}).")
+        va = ph.get(f"vllm-alone-{w}", {}).get("variants")
+        if va:
+            lines.append("- vLLM `LLM.generate` alone, same prompts: " + ", ".join(
+                f"{k} {_f(x['tokens_per_s'], 0)} tok/s" for k, x in va.items()))
+        if peer.get("ok") and peer.get("stages"):
+            lines.append("- TRL's own per-step timers (median s): " + ", ".join(
+                f"{k.split('.')[-1]} {v:.2f}" for k, v in sorted(peer["stages"].items())))
+        lines.append("")
+    lines += ["### Levers (0.5B, one run each, against the median of the three 0.5B repeats)\n",
+              "| lever | samples/s | vs baseline | step s | actor_train s | reference s | first step s"
+              " | vLLM start s |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    base05 = workload_summary(res, "0.5b").get("samples_per_s")
+    for lever, label in LEVER_LABEL.items():
+        p = ph.get(f"fleet-0.5b-{lever}", {})
+        if not p.get("ok"):
+            lines.append(f"| {label} | not measured: {_why(p)} | | | | | | |")
+            continue
+        st = p.get("stages", {})
+        vs = f"{p['samples_per_s'] / base05:.2f}×" if base05 else "—"
+        lines.append(f"| {label} | {_f(p['samples_per_s'])} | {vs} | {_f(p['median_step_s'], 2)} | "
+                     f"{_f(st.get('actor_train'), 2)} | {_f(st.get('reference'), 2)} | "
+                     f"{_f(p.get('first_step_s'), 0)} | "
+                     f"{_f(p.get('engine_start_s'), 0)} |")
+    extra = [k for k in EXTRA_LABEL if k != "trl-0.5b" and k in ph]
+    if extra:
+        lines += ["", "| other configuration (0.5B) | samples/s | tokens/s | step s | first step s | GPU util % |"
+                  " vs TRL+vLLM |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        peer05 = ph.get("trl-vllm-0.5b", {})
+        lines += [_row(EXTRA_LABEL[k], ph[k], peer05.get("samples_per_s") if peer05.get("ok") else None) for k in extra]
+    lines += ["", "Seconds per step by stage (service histograms over the steady window; stages overlap across"
+              " services):",
+              "", "| configuration | " + " | ".join(STAGES) + " |", "| --- |" + " ---: |" * len(STAGES)]
+    for name, p in ph.items():
+        if name.startswith("fleet-") and p.get("ok"):
+            st = p.get("stages", {})
+            lines.append(f"| {name} | " + " | ".join(_f(st.get(k), 2) for k in STAGES) + " |")
+    lines += ["", "MFU counts, per token of a T-token sequence, 6·N + 12·L·d·T FLOPs for the forward and backward"
+              " pass and"
+              " 2·N + 4·L·d·T for the proximal forward of an off-policy batch (N: parameters of the linear layers and"
+              " the LM head, L layers, hidden size d), over the actor's train seconds at 989 TFLOP/s (H200 bf16"
+              " dense). Floor: completion tokens / plain vLLM tokens/s + the forward and backward FLOPs at 50% MFU.",
+              "", "Targets (issue 16), from this run:", "", *targets(res), MARK_END]
+    return "\n".join(lines) + "\n"
+def plots(res: dict[str, Any], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    samples = res.get("gpu_samples") or []
+    made = []
+    for key, p in res["phases"].items():
+        if "t0" not in p or p.get("reused_from"):  # a dry run's reused phase has its source's plot
+            continue
+        pts = [(t - p["t0"], u) for t, u, _ in samples if p["t0"] <= t <= p["t1"]]
+        fig, ax = plt.subplots(figsize=(7, 2.6), dpi=80)
+        if pts:
+            ax.plot([x for x, _ in pts], [y for _, y in pts], lw=0.8)
+        if p.get("window"):
+            ax.axvspan(p["window"][0] - p["t0"], p["window"][1] - p["t0"], alpha=0.15, color="green",
+                       label=f"steady: mean {_f(p.get('gpu_util'))}%")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_ylim(0, 105)
+        ax.set_xlabel("seconds since phase start")
+        ax.set_ylabel("GPU util %")
+        ax.set_title(f"{key} ({res['gpu']})", fontsize=9)
+        fig.tight_layout()
+        path = out / f"util-{key}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def report(paths: list[Path], out: Path, update_benchmarks: bool) -> None:
+    res = merge(paths)
+    out.mkdir(parents=True, exist_ok=True)
+    md = render(res)
+    (out / "vs_trl.md").write_text(md)
+    made = plots(res, out)
+    names = ", ".join(p.name for p in made) or "none (no matplotlib)"
+    print(f"report: {out / 'vs_trl.md'}; plots: {names}", flush=True)
+    if update_benchmarks:
+        bm = REPO / "BENCHMARKS.md"
+        text = bm.read_text()
+        if MARK_BEGIN in text and MARK_END in text:
+            text = text[: text.index(MARK_BEGIN)] + md + text[text.index(MARK_END) + len(MARK_END) + 1:]
+        else:
+            text = text.rstrip("\n") + "\n\n" + md
+        bm.write_text(text)
+    print(md)
