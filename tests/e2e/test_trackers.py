@@ -1,0 +1,141 @@
+"""Experiment trackers (`run.trackers`) on real runs, read back with each library's own reader:
+every metrics.jsonl row lands in TensorBoard, W&B (offline) and MLflow (file store) at its step
+with the same floats, the config is logged as hyper-parameters, a tracker that fails mid-run is
+disabled while the run goes on, and a restarted process continues the same tracker runs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.core.config import parse_config
+from services.core.trackers import Trackers, read_state, row_metrics
+from services.local import run_local
+from tests.fleet_helpers import EXAMPLE, tiny_config
+from tests.tracker_readers import Rows, expected_rows, mlflow_rows, tensorboard_rows, wandb_rows
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+ALL = [{"kind": "tensorboard"}, {"kind": "wandb", "mode": "offline", "project": "rlfleet-test"},
+       {"kind": "mlflow", "experiment": "rlfleet-test"}]
+STEPS = 3
+RUN = {"max_steps": STEPS, "eval_every": 2}
+TASK = {"eval_size": 8}
+
+
+def _assert_same(got: Rows, want: Rows, tracker: str) -> None:
+    assert sorted(got) == sorted(want), (tracker, sorted(got), sorted(want))
+    for step, row in want.items():
+        assert got[step] == row, (tracker, step, {k: (got[step].get(k), v) for k, v in row.items()
+                                                  if got[step].get(k) != v})
+
+
+def _assert_all_trackers(run_dir: Path, steps: int, max_steps: int) -> None:
+    want = expected_rows(run_dir)
+    assert sorted(want) == list(range(1, steps + 1))
+    assert any(k.startswith("eval_") for k in want[2]) and "policy_loss" in want[1]  # eval and train keys
+    tb, tb_params = tensorboard_rows(run_dir / "tensorboard")
+    _assert_same(tb, want, "tensorboard")
+    wb, wb_config, wb_ids = wandb_rows(run_dir)
+    _assert_same(wb, want, "wandb")
+    ml, ml_params, status = mlflow_rows(run_dir, f"file:{run_dir / 'mlruns'}", set(want[1]))
+    _assert_same(ml, want, "mlflow")
+    assert status == "FINISHED"
+    # The run's config, once, as hyper-parameters: the values a user would look for.
+    assert tb_params["algo.name"] == "grpo" and ml_params["algo.name"] == "grpo"
+    assert wb_config["algo"]["name"] == "grpo"
+    assert tb_params["run.max_steps"] == max_steps and ml_params["run.max_steps"] == str(max_steps)
+    assert wb_config["run"]["max_steps"] == max_steps
+    assert set(wb_ids) == {read_state(run_dir)["run_id"]}
+
+
+def test_local_run_writes_every_metrics_row_to_each_tracker(tiny_model: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "local"
+    run_local(tiny_config(run_dir, tiny_model, run={**RUN, "trackers": ALL}, task=TASK))
+    _assert_all_trackers(run_dir, STEPS, STEPS)
+    timing = read_state(run_dir)["timing"]
+    assert set(timing) == {"tensorboard", "wandb", "mlflow"} and "disabled" not in read_state(run_dir)
+
+
+def test_a_tracker_failing_mid_run_is_disabled_and_the_run_goes_on(
+        tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run_dir = tmp_path / "failing"
+    trackers = [{"kind": "tensorboard"}, {"kind": "mlflow"}]
+    cfg = tiny_config(run_dir, tiny_model, run={**RUN, "trackers": trackers}, task=TASK)
+
+    def lose_mlflow_run(row: dict[str, Any]) -> None:
+        if row["step"] == 1:  # the store loses the run under the tracker: its next write raises
+            for d in (run_dir / "mlruns").glob(f"*/{read_state(run_dir)['mlflow_run_id']}"):
+                shutil.rmtree(d)
+
+    with caplog.at_level(logging.WARNING, logger="rlfleet.trackers"):
+        run_local(cfg, on_step=lose_mlflow_run)
+    want = expected_rows(run_dir)
+    assert sorted(want) == [1, 2, 3]  # the run finished every step
+    assert (run_dir / "export" / "config.json").exists()
+    _assert_same(tensorboard_rows(run_dir / "tensorboard")[0], want, "tensorboard")  # the others go on
+    disabled = read_state(run_dir)["disabled"]
+    assert set(disabled) == {"mlflow"}
+    assert disabled["mlflow"]["phase"] == "log" and disabled["mlflow"]["step"] == 2
+    assert "MlflowException" in disabled["mlflow"]["error"]
+    warned = [r for r in caplog.records if r.name == "rlfleet.trackers"]
+    assert len(warned) == 1 and "mlflow disabled" in warned[0].getMessage()  # logged once, not per row
+
+
+def _rlfleet(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900, stdin=subprocess.DEVNULL)
+
+
+def test_fleet_run_writes_every_row_to_each_tracker(tiny_model: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "fleet"
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["run"].update(dir=str(run_dir), **RUN, trackers=ALL)
+    data["task"].update(TASK)
+    data["models"]["policy"] = {"path": str(tiny_model)}
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(data))
+    p = _rlfleet("up", "--config", str(config))
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    _assert_all_trackers(run_dir, STEPS, STEPS)
+    report = (run_dir / "report.html").read_text()
+    for name in ("tensorboard", "wandb", "mlflow"):  # what each tracker logged, in the report
+        assert f"{name}: {STEPS} rows" in report
+
+
+def test_a_restarted_process_continues_the_same_tracker_runs(tmp_path: Path) -> None:
+    """What a resumed controller does (`StepRecorder.start_trackers`): the same rlfleet run id, the
+    first step it will write; each tracker then holds one run with every step."""
+    run_dir = tmp_path / "resumed"
+    cfg = parse_config({"run": {"dir": str(run_dir), "name": "resumed", "max_steps": 3, "trackers": ALL}})
+    rows = [{"step": s, "time": 0.0, "version": s, "reward_mean": s / 7, "reward/correct": 1 / (s + 2)}
+            for s in (1, 2, 3)]
+    run_id = uuid.uuid4().hex
+    for first, part in ((1, rows[:2]), (3, rows[2:])):  # two processes: steps 1-2, then 3
+        trackers = Trackers(cfg, run_id=run_id)
+        trackers.start(first_step=first)
+        for row in part:
+            trackers.log_row(row)
+        trackers.finish()
+        if first == 1:
+            mlflow_run = read_state(run_dir)["mlflow_run_id"]
+    want = {int(r["step"]): row_metrics(r) for r in rows}
+    _assert_same(tensorboard_rows(run_dir / "tensorboard")[0], want, "tensorboard")
+    wb, _, wb_ids = wandb_rows(run_dir)
+    _assert_same(wb, want, "wandb")
+    assert wb_ids == [run_id, run_id]  # one offline folder per process, one W&B run for `wandb sync`
+    assert read_state(run_dir)["mlflow_run_id"] == mlflow_run
+    ml, _, status = mlflow_rows(run_dir, f"file:{run_dir / 'mlruns'}", set(want[1]))
+    _assert_same(ml, want, "mlflow")
+    assert status == "FINISHED"
