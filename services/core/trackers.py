@@ -96,13 +96,15 @@ def read_state(run_dir: Path) -> dict[str, Any]:
 class Trackers:
     """Every configured tracker of one process, behind the failure model of the module docstring."""
 
-    def __init__(self, cfg: RunConfig, run_id: str) -> None:
+    def __init__(self, cfg: RunConfig, run_id: str, backends: Sequence[Tracker] | None = None) -> None:
+        """`backends`: trackers to use instead of the ones `cfg.run.trackers` names (tests)."""
         check_trackers(cfg.run.trackers)
         self.cfg, self.run_id, self.run_dir = cfg, run_id, cfg.run_dir
         state = read_state(self.run_dir)
         # Another run's state (a fresh local run, a new run directory's leftovers) continues nothing.
         self.state: dict[str, Any] = state if state.get("run_id") == run_id else {"run_id": run_id}
-        self.active: list[Tracker] = [self._make(spec) for spec in cfg.run.trackers]
+        self.active: list[Tracker] = list(backends) if backends is not None else [
+            self._make(spec) for spec in cfg.run.trackers]
         # Seconds each tracker took per phase, and rows logged: what the step loop paid for it.
         self.timing: dict[str, dict[str, float]] = {
             t.name: {"start_s": 0.0, "log_s": 0.0, "rows": 0, "finish_s": 0.0} for t in self.active}
@@ -189,6 +191,7 @@ class Trackers:
         path = self.run_dir / STATE_FILE
         tmp = path.with_name(path.name + ".tmp")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(self.state, indent=1, sort_keys=True))
             os.replace(tmp, path)
         except OSError as e:  # a full disk: the state waits for the next save, the run goes on
