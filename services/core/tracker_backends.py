@@ -72,7 +72,10 @@ class WandbTracker:
         self.dir.mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(
             silent=True, console="off", x_disable_stats=True, x_disable_machine_info=True, disable_git=True,
-            save_code=False, x_save_requirements=False, disable_job_creation=True)
+            save_code=False, x_save_requirements=False, disable_job_creation=True,
+            # wandb-core writes the run's file every 15 s by default: a killed controller would lose
+            # that much of the run from it (metrics.jsonl keeps everything); 1 s bounds the loss.
+            x_transaction_log_flush_interval=1.0)
         self.run = wandb.init(
             project=self.spec.project, entity=self.spec.entity, mode=self.spec.mode, dir=str(self.dir),
             name=run_name, id=run_id, resume="allow", config=config, settings=settings, reinit="create_new")

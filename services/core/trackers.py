@@ -200,15 +200,16 @@ class Trackers:
 
 
 def summary_lines(run_dir: Path) -> list[str]:
-    """One line per tracker of the run for report.html: what it logged and what it cost, or when
-    and why it was disabled."""
+    """One line per tracker of the run for report.html: what it logged and what it cost (counted
+    by the processes that finished: a killed controller's share is in the trackers, not here), or
+    when and why it was disabled."""
     state = read_state(run_dir)
     timing, disabled = state.get("timing", {}), state.get("disabled", {})
     out = []
     for name in state.get("trackers", []):
         t = timing.get(name, {})
         rows = int(t.get("rows", 0))
-        line = f"{name}: {rows} rows"
+        line = f"{name}: {rows} rows logged"
         if rows:
             line += f", {1000 * t.get('log_s', 0.0) / rows:.1f} ms a row, started in {t.get('start_s', 0.0):.1f} s"
         if name in disabled:

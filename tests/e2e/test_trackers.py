@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ import yaml
 from services.core.config import parse_config
 from services.core.trackers import Trackers, read_state, row_metrics
 from services.local import run_local
+from services.report import read_metrics
 from tests.fleet_helpers import EXAMPLE, tiny_config
 from tests.tracker_readers import Rows, expected_rows, mlflow_rows, tensorboard_rows, wandb_rows
 
@@ -43,7 +47,7 @@ def _assert_same(got: Rows, want: Rows, tracker: str) -> None:
 def _assert_all_trackers(run_dir: Path, steps: int, max_steps: int) -> None:
     want = expected_rows(run_dir)
     assert sorted(want) == list(range(1, steps + 1))
-    assert any(k.startswith("eval_") for k in want[2]) and "policy_loss" in want[1]  # eval and train keys
+    assert any(k.startswith("eval_") for k in want[steps]) and "policy_loss" in want[1]  # eval and train keys
     tb, tb_params = tensorboard_rows(run_dir / "tensorboard")
     _assert_same(tb, want, "tensorboard")
     wb, wb_config, wb_ids = wandb_rows(run_dir)
@@ -93,13 +97,11 @@ def test_a_tracker_failing_mid_run_is_disabled_and_the_run_goes_on(
     assert len(warned) == 1 and "mlflow disabled" in warned[0].getMessage()  # logged once, not per row
 
 
-def _rlfleet(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900, stdin=subprocess.DEVNULL)
-
-
-def test_fleet_run_writes_every_row_to_each_tracker(tiny_model: Path, tmp_path: Path) -> None:
+def test_fleet_run_writes_every_row_to_each_tracker_through_a_controller_crash(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """`rlfleet up` with all three trackers; the controller is killed (-9) right after committing
+    step 2 and before writing its row: the supervisor's replacement back-fills that row and
+    continues the same tracker runs (a second TensorBoard file and W&B folder, the same MLflow run)."""
     run_dir = tmp_path / "fleet"
     data = yaml.safe_load(EXAMPLE.read_text())
     data["run"].update(dir=str(run_dir), **RUN, trackers=ALL)
@@ -107,12 +109,31 @@ def test_fleet_run_writes_every_row_to_each_tracker(tiny_model: Path, tmp_path: 
     data["models"]["policy"] = {"path": str(tiny_model)}
     config = tmp_path / "fleet.yaml"
     config.write_text(yaml.safe_dump(data))
-    p = _rlfleet("up", "--config", str(config))
-    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", RLFLEET_FAULT_HOOK="journal_committed@2")
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", str(config)], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        reached = run_dir / "faults" / "journal_committed@2.reached"
+        deadline = time.monotonic() + 600
+        while not (reached.exists() and reached.read_text()):
+            assert up.poll() is None and time.monotonic() < deadline, "the controller never reached step 2's commit"
+            time.sleep(0.1)
+        mlflow_run = read_state(run_dir)["mlflow_run_id"]
+        os.kill(int(reached.read_text()), signal.SIGKILL)
+        out, err = up.communicate(timeout=600)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 0, (out[-2000:], err[-3000:])
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[1].get("recovered") == 1.0  # step 2's row back-filled
     _assert_all_trackers(run_dir, STEPS, STEPS)
+    assert read_state(run_dir)["mlflow_run_id"] == mlflow_run  # the same MLflow run, reopened
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2  # one folder per controller, one run id
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
     report = (run_dir / "report.html").read_text()
-    for name in ("tensorboard", "wandb", "mlflow"):  # what each tracker logged, in the report
-        assert f"{name}: {STEPS} rows" in report
+    for name in ("tensorboard", "wandb", "mlflow"):  # each tracker, in the report (rows: finished processes)
+        assert re.search(rf"<p>{name}: \d+ rows logged, [0-9.]+ ms a row", report), name
 
 
 def test_a_restarted_process_continues_the_same_tracker_runs(tmp_path: Path) -> None:
