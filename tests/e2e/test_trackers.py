@@ -110,6 +110,9 @@ def test_fleet_run_writes_every_row_to_each_tracker_through_a_controller_crash(
     config = tmp_path / "fleet.yaml"
     config.write_text(yaml.safe_dump(data))
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", RLFLEET_FAULT_HOOK="journal_committed@2")
+    # wandb.init in this process (the local runs above) leaves WANDB_SERVICE pointing at its own
+    # wandb-core: inherited, both controllers would share it, and the killed one's run would stay "in use".
+    env.pop("WANDB_SERVICE", None)
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", str(config)], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
@@ -122,8 +125,12 @@ def test_fleet_run_writes_every_row_to_each_tracker_through_a_controller_crash(
         os.kill(int(reached.read_text()), signal.SIGKILL)
         out, err = up.communicate(timeout=600)
     finally:
-        if up.poll() is None:
-            up.kill()
+        if up.poll() is None:  # a failed wait: stop the fleet as Ctrl-C does, so no service outlives the test
+            up.send_signal(signal.SIGINT)
+            try:
+                up.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                up.kill()
     assert up.returncode == 0, (out[-2000:], err[-3000:])
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[1].get("recovered") == 1.0  # step 2's row back-filled
