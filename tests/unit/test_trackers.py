@@ -192,4 +192,3 @@ def test_the_same_tracker_kind_twice_is_rejected() -> None:
     specs = parse_config({"run": {"trackers": [{"kind": "tensorboard"}, {"kind": "tensorboard", "dir": "x"}]}})
     with pytest.raises(ConfigError, match="lists tensorboard twice"):
         check_trackers(specs.run.trackers)
-
