@@ -110,9 +110,8 @@ def test_fleet_run_writes_every_row_to_each_tracker_through_a_controller_crash(
     config = tmp_path / "fleet.yaml"
     config.write_text(yaml.safe_dump(data))
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", RLFLEET_FAULT_HOOK="journal_committed@2")
-    # wandb.init in this process (the local runs above) leaves WANDB_SERVICE pointing at its own
-    # wandb-core: inherited, both controllers would share it, and the killed one's run would stay "in use".
-    env.pop("WANDB_SERVICE", None)
+    # When the local runs above ran, wandb.init left WANDB_SERVICE (its wandb-core) in this process's
+    # environment: `rlfleet up` inherits it, and must not hand it to the services.
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", str(config)], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
