@@ -156,6 +156,9 @@ class Fleet:
 
     def service_env(self, name: ServiceName, replica: int = 0) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Set by wandb.init in the launching process: inherited, every controller would share that
+        # process's wandb-core, and a killed controller's W&B run would stay "in use" for its replacement.
+        env.pop("WANDB_SERVICE", None)
         if self.plan is not None:
             # A service without a device group sees no GPU at all: nothing lands on one by accident.
             env.update(self.plan.service_env(name, replica))

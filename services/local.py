@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from services.core.config import RunConfig
 from services.core.ids import generation_seed, task_id
+from services.core.trackers import Trackers
 from services.models.checkpoint import prune, save_checkpoint
 from services.models.engine import GenerationEngine, SamplingParams, completions_to_rollout
 from services.models.export import export_final, record_local_config
@@ -127,6 +129,9 @@ def run_local(
     # A local run starts afresh, so a previous local run's checkpoints would only collide with its versions.
     shutil.rmtree(cfg.checkpoint_dir / "actor", ignore_errors=True)
     record_local_config(cfg, roles.policy_path)
+    # A local run starts afresh, so it is a new tracker run too (a new id), not a continuation.
+    trackers = Trackers(cfg, run_id=uuid.uuid4().hex)
+    trackers.start(first_step=1)
     version = 0
     eval_before = evaluate(cfg, engine, task, tok, 0, version, samples_path, suffix="_before")
     log.info("eval before training", extra=eval_before)
@@ -176,8 +181,10 @@ def run_local(
             row.update(eval_before)
         with metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        trackers.log_row(row)
         if on_step is not None:
             on_step(row)
+    trackers.finish()
     export_final(run_dir, base=roles.policy_path)
     return metrics_path
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.core.config import ModelSpec, RunConfig
+from services.core.trackers import check_trackers
 
 __all__ = ["PreflightError", "RunState", "check_fleet", "check_local", "run_state"]
 
@@ -205,6 +206,7 @@ def check_local(cfg: RunConfig) -> RunState:
     if state.kind == "fleet":
         raise PreflightError(f"{cfg.run_dir} holds a fleet run (`rlfleet up`); train --local would replace its"
                              " metrics.jsonl: pick another --run-dir")
+    check_trackers(cfg.run.trackers)
     check_models(cfg, check_task(cfg))
     return state
 
@@ -216,6 +218,7 @@ def check_fleet(cfg: RunConfig) -> RunState:
     if state.kind == "local":
         raise PreflightError(f"{cfg.run_dir} holds a single-process run (`train --local`, {state.step} steps);"
                              " a fleet would mix its metrics into it: pick another --run-dir")
+    check_trackers(cfg.run.trackers)
     check_models(cfg, check_task(cfg))
     check_redis(cfg)
     return state

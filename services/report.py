@@ -159,6 +159,13 @@ def _samples_section(run_dir: Path) -> str:
             f"<p>{len(rows)} samples in {SAMPLES_FILE}; {SAMPLES_PER_EVAL} per evaluation and mode shown</p>")
 
 
+def _trackers_section(run_dir: Path) -> str:
+    from services.core.trackers import summary_lines
+
+    lines = summary_lines(run_dir)
+    return "".join(f"<p>{_esc(line)}</p>" for line in lines) or "<p>no experiment trackers configured</p>"
+
+
 def _section(title: str, render: Callable[[], str]) -> str:
     try:
         body = render()
@@ -204,6 +211,7 @@ table.samples td{{font-family:monospace;white-space:pre-wrap;max-width:40em}}</s
 <h1>{html.escape(title)}</h1><table>{summary}</table>{''.join(imgs) or '<p>no steps recorded</p>'}
 {_section("Audit", lambda: _audit_section(run_dir))}
 {_section("Sample completions", lambda: _samples_section(run_dir))}
+{_section("Experiment trackers", lambda: _trackers_section(run_dir))}
 {config}
 </body></html>"""
     out = run_dir / "report.html"

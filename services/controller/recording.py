@@ -1,9 +1,11 @@
 """What a committed step leaves behind besides the journal: its metrics.jsonl row, the gauges
-Prometheus scrapes, the queue depths `rlfleet status` shows, and a `resources` event for the audit.
+Prometheus scrapes, the queue depths `rlfleet status` shows, a `resources` event for the audit, and
+the same row in the configured experiment trackers (`services.core.trackers`, after the file).
 After a crash, steps the journal committed but whose row was never written get a row saying so."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -14,16 +16,20 @@ from services.core.bus import Bus, BusUnavailable
 from services.core.events import AppendOnlyFile, EventLog
 from services.core.journal import Journal
 from services.core.metrics import ServiceMetrics
+from services.core.trackers import Trackers
 from services.rl import batch as rb
 
 
 class StepRecorder:
-    def __init__(self, metrics_path: Path, metrics: ServiceMetrics, events: EventLog, journal: Journal) -> None:
+    def __init__(self, metrics_path: Path, metrics: ServiceMetrics, events: EventLog, journal: Journal,
+                 trackers: Trackers | None = None) -> None:
         self.path, self.metrics, self.events, self.journal = metrics_path, metrics, events, journal
+        self.trackers = trackers
         self.file = AppendOnlyFile(metrics_path, fsync=False)  # holds rows, in order, while the disk is full
         self.last: dict[str, Any] = {}  # headline numbers of the last step, for `rlfleet status`
         self.queues: dict[str, int] = {}  # stream depths at the last step
         self.t_last_step = time.perf_counter()
+        self._unlogged: tuple[int, list[dict[str, Any]]] = (1, [])  # the trackers' first step, back-filled rows
 
     async def depths(self, bus: Bus) -> dict[str, int]:
         try:
@@ -56,6 +62,8 @@ class StepRecorder:
             "step_s": elapsed, "staleness": staleness, **{f"queue_{k}": v for k, v in depths.items()},
         }
         self.file.append((json.dumps(row) + "\n").encode())
+        if self.trackers is not None:
+            self.trackers.log_row(row)
         self.last = {k: row[k] for k in ("step", "reward_mean", "tokens_per_s", "staleness", "kl") if k in row}
         m = self.metrics
         m.policy_version.set(version)
@@ -72,6 +80,8 @@ class StepRecorder:
 
     def close(self) -> None:
         self.file.close()
+        if self.trackers is not None:
+            self.trackers.finish()
 
     def backfill(self) -> None:
         """metrics.jsonl keeps one row per step: a step committed to the journal just before a
@@ -80,11 +90,24 @@ class StepRecorder:
 
         text = self.path.read_text() if self.path.exists() else ""
         last = max((int(r.get("step", 0)) for r in read_metrics(self.path)), default=0)
+        rows = [{"step": step, "version": step, "recovered": 1.0} for step in range(last + 1, self.journal.step + 1)]
+        self._unlogged = (last + 1, rows)
         with self.path.open("a") as f:
             if text and not text.endswith("\n"):
                 f.write("\n")  # a row torn by the crash stays unreadable instead of gluing onto the next
-            for step in range(last + 1, self.journal.step + 1):
-                f.write(json.dumps({"step": step, "version": step, "recovered": 1.0}) + "\n")
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+    async def start_trackers(self) -> None:
+        """Once, after `backfill`: start the trackers at the first step this process writes (a
+        resumed run continues their runs) and give them the back-filled rows. In a thread: importing
+        and opening W&B or MLflow takes seconds, and the event loop keeps serving meanwhile."""
+        if self.trackers is None:
+            return
+        first, rows = self._unlogged
+        await asyncio.to_thread(self.trackers.start, first)
+        for row in rows:
+            self.trackers.log_row(row)
 
 
 def _rss_bytes() -> int:

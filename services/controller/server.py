@@ -39,6 +39,7 @@ from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.retry import Policy
 from services.core.run_binding import open_run_journal
 from services.core.runtime import ServiceRuntime
+from services.core.trackers import Trackers
 from services.core.wire import (
     check_schema_version,
     message,
@@ -86,7 +87,8 @@ class Controller:
         self.admission = Admission(cfg, self.journal, self.durable, self.tokenizer, task, self.events, self.metrics)
         self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step)
         self.trainables = Trainables(cfg, self.trainable, self.journal, self.events, lambda: self.version)
-        self.recorder = StepRecorder(cfg.run_dir / "metrics.jsonl", self.metrics, self.events, self.journal)
+        self.recorder = StepRecorder(cfg.run_dir / "metrics.jsonl", self.metrics, self.events, self.journal,
+                                     trackers=Trackers(cfg, run_id=self.journal.run_id or cfg.run.name))
         self.evaluation = Evaluation(cfg, task, self.tokenizer, self.metrics, lambda: self.trainables.stub("actor"))
         self.bus: Bus | None = None
         self.workers: list[StreamWorker] = []
@@ -421,6 +423,7 @@ class Controller:
         await self._set_versions()
         await recovery.reconcile(self)
         self.recorder.backfill()
+        await self.recorder.start_trackers()
         self.workers = [
             StreamWorker(self.bus, keys.rollouts, "controller", self.instance, self.on_rollout, self.metrics,
                          count=8),

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from services.core.config_algo import ALGO_DEFAULTS, GROUP_ALGOS, AlgoName, AlgoSection, KLName, LossAgg
 from services.core.config_base import ConfigError
 from services.core.config_base import Strict as _Strict
+from services.core.config_trackers import TrackerSpec
 from services.core.config_workload import (
     BUILTIN_TASKS,
     FILE_SOURCES,
@@ -49,6 +50,8 @@ class RunSection(_Strict):
     max_steps: Annotated[int, Field(ge=1)] = 30
     # Evaluate mean reward on held-out prompts every N steps (0 = only before and after).
     eval_every: Annotated[int, Field(ge=0)] = 0
+    # Experiment trackers every metrics row also goes to (TensorBoard, W&B, MLflow); none by default.
+    trackers: list[TrackerSpec] = Field(default_factory=list)
 
 
 class VLLMOptions(_Strict):
@@ -381,6 +384,10 @@ def _format_errors(err: ValidationError, source: str) -> str:
             msg = "unknown key"
         elif e["type"] == "literal_error" and "expected" in e.get("ctx", {}):
             msg = f"got {e['input']!r}; allowed values: {e['ctx']['expected']}"
+        elif e["type"] == "union_tag_invalid":  # a tagged list entry such as run.trackers[i].kind
+            msg = f"{e['ctx']['discriminator']}: got {e['ctx']['tag']!r}; allowed values: {e['ctx']['expected_tags']}"
+        elif e["type"] == "union_tag_not_found":
+            msg = f"missing key {e['ctx']['discriminator']}"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
 
