@@ -121,6 +121,11 @@ class Endpoint(_Strict):
     # Torch device of this service's models (trainer, scorer): "cpu", "cuda" or "cuda:N". The GPU
     # behind "cuda" is the first of the device group's, which sets CUDA_VISIBLE_DEVICES.
     device: str = "cpu"
+    # Trainer ranks of the actor or the critic: N > 1 starts N - 1 follower processes (one per rank,
+    # torch.distributed, FSDP2) beside the service process, which is rank 0. On CUDA rank r trains
+    # on cuda:r of the visible devices, so the device group (CUDA_VISIBLE_DEVICES) needs N GPUs;
+    # `rlfleet plan` reads this field to size the group. On the CPU every rank trains on the CPU.
+    trainer_ranks: Annotated[int, Field(ge=1, le=64)] = 1
 
     @field_validator("device")
     @classmethod
@@ -238,6 +243,12 @@ class RunConfig(_Strict):
                 raise ValueError(
                     f"services.{name}.replicas: only the stateless scorers (reward, reference) run as several"
                     f" replicas, got {ep.replicas}"
+                )
+        for name, ep in self.services.items():
+            if ep.trainer_ranks > 1 and name not in ("actor", "critic"):
+                raise ValueError(
+                    f"services.{name}.trainer_ranks: only the trainable services (actor, critic) train on"
+                    f" several ranks, got {ep.trainer_ranks}"
                 )
         ov = self.algo.overlong_buffer_len
         if ov is not None and ov > self.generation.max_new_tokens:

@@ -4,6 +4,7 @@ critic services and the local loop all train through these two classes."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -60,6 +61,11 @@ def micro_weights(mb: Rollout, micro: int, agg: str) -> list[tuple[torch.Tensor,
     return [(c, int(units[c].sum()) / total) for c in chunks]
 
 
+# How a minibatch is cut into weighted micro-batches; a data-parallel rank swaps in its own share
+# (services.dist.shard) so that the sum over ranks is the one-rank gradient.
+SplitFn = Callable[[Rollout, int, str], list[tuple[torch.Tensor, float]]]
+
+
 class PolicyTrainer:
     """PPO-style policy updates on whatever device the model lives on; rollouts arrive on the CPU and
     move one micro-batch at a time."""
@@ -71,6 +77,7 @@ class PolicyTrainer:
         self.temperature = temperature
         self.seed = seed
         self.device = _device_of(model)
+        self.split: SplitFn = micro_weights
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.opt = torch.optim.AdamW(
@@ -115,7 +122,7 @@ class PolicyTrainer:
                 mb = r.select(idx)
                 self.opt.zero_grad(set_to_none=True)
                 sums: dict[str, float] = defaultdict(float)
-                for sub, w in micro_weights(mb, algo.micro_batch_size, algo.loss_agg):
+                for sub, w in self.split(mb, algo.micro_batch_size, algo.loss_agg):
                     part = mb.select(sub).to(self.device)
                     rows = idx[sub]
                     logp, ent = self._logprobs(part, with_entropy=True)
@@ -158,6 +165,7 @@ class ValueTrainer:
         self.algo = algo
         self.seed = seed
         self.device = _device_of(model)
+        self.split: SplitFn = micro_weights
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.opt = torch.optim.AdamW(
@@ -176,7 +184,7 @@ class ValueTrainer:
                 mb = r.select(idx)
                 self.opt.zero_grad(set_to_none=True)
                 sums: dict[str, float] = defaultdict(float)
-                for sub, w in micro_weights(mb, algo.micro_batch_size, algo.loss_agg):
+                for sub, w in self.split(mb, algo.micro_batch_size, algo.loss_agg):
                     part = mb.select(sub).to(self.device)
                     v = self.model.values(part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
                     loss, st = value_loss(
