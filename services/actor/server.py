@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from transformers import PreTrainedModel
 
 from services.actor.outbox import Outbox
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
@@ -31,9 +32,12 @@ from services.core.servicer import ServiceCalls, invalid
 from services.core.trainable import Trainable, WeightsRefused
 from services.core.wire import TrainRequest, WireError, check_schema_version, message, parse_message, rollout_to_proto
 from services.core.worker import Rejected, StreamWorker
+from services.dist.build import build_model, build_trainer
+from services.dist.group import RankGauges, RankGroup
+from services.dist.protocol import RankError
 from services.models.engine import EngineError, SamplingParams, completions_to_rollout
 from services.models.factory import make_engine
-from services.models.loading import load_causal_lm, load_tokenizer
+from services.models.loading import load_tokenizer
 from services.rl.trainer import PolicyTrainer
 
 log = logging.getLogger("rlfleet.actor")
@@ -45,25 +49,39 @@ class Actor:
         self.cfg = cfg
         path = Path(cfg.models.policy.path)
         self.tokenizer = load_tokenizer(path)
-        self.policy = load_causal_lm(path, dtype=cfg.models.policy.dtype, device=cfg.endpoint("actor").device)
+        # Several trainer ranks: this process is rank 0 of a group it starts here, on the main
+        # thread (followers die with the thread that started them).
+        self.ranks = RankGroup(cfg, "actor") if cfg.endpoint("actor").trainer_ranks > 1 else None
+        if self.ranks is not None:
+            self.policy, trainer = self.ranks.trainer.model, self.ranks.trainer.trainer
+        else:
+            self.policy = build_model(cfg, "actor", cfg.endpoint("actor").device)
+            trainer = build_trainer(cfg, "actor", self.policy)
+        assert isinstance(trainer, PolicyTrainer) and isinstance(self.policy, PreTrainedModel)
+        self.trainer = trainer
         self.limits = Limits.for_run(cfg, vocab_size=int(self.policy.config.vocab_size))
         self.engine = make_engine(cfg.generation.engine, path, dtype=cfg.models.policy.dtype,
                                   **cfg.generation.engine_kwargs())
-        self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
-                                     gradient_checkpointing=cfg.models.policy.gradient_checkpointing)
-        self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt, limits=self.limits)
+        self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt, limits=self.limits, ranks=self.ranks)
         if self.t.restore():
-            self.engine.update_weights(self.policy.state_dict().items(), self.t.version)
+            self.engine.update_weights(self.weights(), self.t.version)
         self.outbox = Outbox.open(cfg.run_dir / "outbox" / "actor")
         self.instance = f"actor-{os.getpid()}"
         self.runtime = ServiceRuntime.from_config(
             cfg, "actor", readiness=self.readiness, status=self.status, on_drain=self.on_drain)
         self.metrics = self.runtime.metrics
+        self.rank_gauges = RankGauges(self.metrics.registry) if self.ranks is not None else None
         self.bus: Bus | None = None
         self.worker: StreamWorker | None = None
         self.engine_lock = asyncio.Lock()  # generation vs weight sync
         self.held = False  # backpressure state
         self.fill = 0.0
+
+    def weights(self) -> Any:
+        """(name, tensor) pairs of the whole policy, for the engine; gathered from every rank."""
+        if self.ranks is not None:
+            return self.ranks.full_state().items()
+        return self.policy.state_dict().items()
 
     # -- runtime callbacks ---------------------------------------------------------------------------
     @property
@@ -81,7 +99,14 @@ class Actor:
         w = self.worker
         return {"version": self.version, "checkpoint_version": self.t.checkpoint_version,
                 "backpressure": self.held, "fill_ratio": round(self.fill, 3), "handled": w.handled if w else 0,
-                "outbox": self.outbox.pending()}
+                "outbox": self.outbox.pending(), **self._rank_status()}
+
+    def _rank_status(self) -> dict[str, Any]:
+        if self.ranks is None or self.rank_gauges is None:
+            return {}
+        ranks = self.ranks.status()
+        self.rank_gauges.show(self.ranks.ranks)
+        return {"ranks": ranks}
 
     async def on_drain(self) -> None:
         # Stop taking prompts and finish the batch in hand, let a running Train finish, then
@@ -96,6 +121,8 @@ class Actor:
             await self.bus.close()
         self.outbox.close()
         await asyncio.to_thread(self.engine.close)  # a process engine's child stops now, not at exit
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.stop)
 
     # -- backpressure --------------------------------------------------------------------------------
     async def gate(self) -> None:
@@ -225,11 +252,16 @@ class Actor:
 
     async def _train_step(self, req: TrainRequest) -> dict[str, float]:
         with self.metrics.time_stage("actor_train"):
-            stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step, self.version)
+            if self.ranks is not None:
+                stats = await asyncio.to_thread(self.ranks.train, req.rollout, req.step, self.version)
+            else:
+                stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step, self.version)
+        if self.rank_gauges is not None and self.ranks is not None:
+            self.rank_gauges.show(self.ranks.ranks)
         with self.metrics.time_stage("weight_sync"):
+            weights = await asyncio.to_thread(self.weights)  # gathered before the engine is held
             async with self.engine_lock:
-                await asyncio.to_thread(self.engine.update_weights, self.policy.state_dict().items(),
-                                        req.target_version)
+                await asyncio.to_thread(self.engine.update_weights, weights, req.target_version)
         # No await from here until Trainable moves the version: a generation that takes the engine
         # lock in between would label the new weights with the old version.
         m = self.metrics
@@ -260,9 +292,9 @@ class Actor:
                 self.t.check_weights_version(version, committed)
                 if version > self.version:
                     step = await asyncio.to_thread(self.t.load_weights, path, version)
+                    weights = await asyncio.to_thread(self.weights)
                     async with self.engine_lock:
-                        await asyncio.to_thread(self.engine.update_weights, self.policy.state_dict().items(),
-                                                version)
+                        await asyncio.to_thread(self.engine.update_weights, weights, version)
                         self.t.version, self.t.step = version, step
             except WeightsRefused as e:
                 log.warning("update_weights refused", extra={"version": version, "error": str(e)[:300]})
@@ -293,9 +325,11 @@ class Actor:
                 task.cancel()
 
     async def watch_engine(self) -> None:
-        """Fail fast when the engine's own process (generation.process) has died."""
-        while self.engine.alive:
+        """Fail fast when the engine's own process (generation.process) or a trainer rank died."""
+        while self.engine.alive and (self.ranks is None or self.ranks.alive):
             await asyncio.sleep(1.0)
+        if self.ranks is not None and not self.ranks.alive:
+            raise RankError(self.ranks.why_dead())
         raise EngineError("the generation engine's process died; the actor stops so that it is restarted")
 
     async def _publish_raw(self, stream: str, data: bytes, headers: dict[str, str]) -> str:

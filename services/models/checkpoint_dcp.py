@@ -17,7 +17,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-DCP_DIR = "dcp"
+from services.models.checkpoint_layout import DCP_DIR
+
+__all__ = ["DCP_DIR", "files_of", "full_options", "load_dcp", "save_dcp"]
+
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
