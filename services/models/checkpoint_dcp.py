@@ -9,6 +9,7 @@ plain unsharded model for an export. Model and optimizer state go in one DCP sav
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,10 @@ def save_dcp(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 def load_dcp(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load into `model` (and `optimizer`) whatever their sharding; a collective like save_dcp."""
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(directory))
+    with warnings.catch_warnings():
+        # Without a process group DCP reads every shard itself, as meant here; it warns that it does.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(directory))
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
