@@ -246,7 +246,12 @@ class Actor:
 
     # -- training ------------------------------------------------------------------------------------
     async def train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:
-        res = await self.t.train(request, context, require=("advantages",), apply=self._train_step)
+        try:
+            res = await self.t.train(request, context, require=("advantages",), apply=self._train_step)
+        except RankError as e:
+            # The actor is going down (watch_engine sees the broken group): the controller retries
+            # the step on its replacement, as after any restart.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.metrics.policy_version.set(self.version)
         return res
 

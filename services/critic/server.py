@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import torch
 
 from services.core.config import RunConfig
@@ -66,7 +67,11 @@ class Critic:
         return torch.cat(parts)
 
     async def train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:
-        res = await self.t.train(request, context, require=("returns", "values"), apply=self._train_step)
+        try:
+            res = await self.t.train(request, context, require=("returns", "values"), apply=self._train_step)
+        except RankError as e:
+            # The critic is going down (watch_ranks): the controller retries on its replacement.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.svc.metrics.policy_version.set(self.version)
         return res
 
