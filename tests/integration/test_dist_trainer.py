@@ -1,5 +1,6 @@
 """A 2-rank trainer (real follower process, gloo, FSDP2 on the CPU) takes the same optimizer step
-as one rank, for the actor's policy and the critic's value model; its follower dies with it."""
+as one rank, for the actor's policy and the critic's value model, and resumes a 1-rank
+checkpoint (weights and optimizer state) to take the same next step."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.core.config import RunConfig
-from services.dist.build import build_model, build_trainer
+from services.core.config import RunConfig, ServiceName
+from services.dist.build import Trainer, build_model, build_trainer
 from services.dist.group import RankGroup
 from services.dist.protocol import Op
+from services.models.checkpoint import load_latest, save_checkpoint
 from services.rl.batch import Rollout
+from services.rl.trainer import PolicyTrainer
 from tests.fleet_helpers import tiny_config
 
 
@@ -40,11 +43,11 @@ def _rollout(vocab: int, b: int = 13, p: int = 4, r: int = 4) -> Rollout:
     )
 
 
-def _one_rank(cfg: RunConfig, service: str, r: Rollout) -> tuple[nn.Module, dict[str, float]]:
+def _one_rank(cfg: RunConfig, service: ServiceName, r: Rollout) -> tuple[Trainer, dict[str, float]]:
     model = build_model(cfg, service, "cpu")
     tr = build_trainer(cfg, service, model)
     stats = tr.train_step(r, 1, 0) if service == "actor" else tr.train_step(r, 1)  # type: ignore[call-arg]
-    return model, stats
+    return tr, stats
 
 
 def _assert_same_params(one: nn.Module, full: dict[str, torch.Tensor]) -> None:
@@ -59,25 +62,42 @@ def _assert_same_params(one: nn.Module, full: dict[str, torch.Tensor]) -> None:
     assert not off, off
 
 
-def _two_ranks(tmp_path: Path, tiny_model: Path, service: str) -> None:
+def _two_ranks(tmp_path: Path, tiny_model: Path, service: ServiceName) -> None:
     r = _rollout(int(build_model(_cfg(tmp_path, tiny_model, 1), "actor", "cpu").config.vocab_size))  # type: ignore[union-attr]
-    one, stats1 = _one_rank(_cfg(tmp_path, tiny_model, 1), service, r)
+    tr, stats1 = _one_rank(_cfg(tmp_path, tiny_model, 1), service, r)
+    one = tr.model
     before = build_model(_cfg(tmp_path, tiny_model, 1), service, "cpu").state_dict()
     group = RankGroup(_cfg(tmp_path, tiny_model, 2), service)
     try:
         stats2 = group.train(r, 1, 0)
         full = group.call(Op.FULL_STATE)
         status = group.status()
+        _assert_same_params(one, full)  # before the resume below trains `one` further
+        if service == "actor":
+            _resume_on_two_ranks(tmp_path / "ckpt", tr, group, r)
     finally:
         group.close()
     # The step moved the weights, and both runs moved them alike.
-    assert any(not torch.equal(before[k], one.state_dict()[k]) for k in before)
-    _assert_same_params(one, full)
+    assert any(not torch.equal(before[k], full[k]) for k in full)
     assert stats1.keys() == stats2.keys()
     for k, v in stats1.items():
         assert abs(v - stats2[k]) <= 1e-4 * max(1.0, abs(v)), (k, v, stats2[k])
     assert [s["rank"] for s in status] == [0, 1] and all(s["alive"] for s in status)
     assert all(s["step_seconds"] > 0 and s["memory_bytes"] > 0 for s in status)
+
+
+def _resume_on_two_ranks(root: Path, tr: Trainer, group: RankGroup, r: Rollout) -> None:
+    """A 1-rank checkpoint (safetensors, optimizer state by index) loads into the 2 ranks: the same
+    weights, and the same next step, so the optimizer's moments came along too."""
+    assert isinstance(tr, PolicyTrainer)
+    tr.train_step(r, 2, 1)  # one rank moves on, so loading it is visible
+    save_checkpoint(root, "actor", 2, 2, tr.model, tr.opt)
+    meta = load_latest(root, "actor", group.trainer.model, group.trainer.opt, rank_load=group.load)
+    assert meta is not None and meta.layout == "safetensors"
+    _assert_same_params(tr.model, group.call(Op.FULL_STATE))
+    tr.train_step(r, 3, 2)
+    group.train(r, 3, 2)
+    _assert_same_params(tr.model, group.call(Op.FULL_STATE))
 
 
 def test_two_rank_actor_takes_the_one_rank_step(tmp_path: Path, tiny_model: Path) -> None:
