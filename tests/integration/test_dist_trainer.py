@@ -14,6 +14,7 @@ from services.dist.build import Trainer, build_model, build_trainer
 from services.dist.group import RankGroup
 from services.dist.protocol import Op
 from services.models.checkpoint import load_latest, save_checkpoint
+from services.models.critic import ValueModel
 from services.rl.batch import Rollout
 from services.rl.trainer import PolicyTrainer
 from tests.fleet_helpers import tiny_config
@@ -75,6 +76,11 @@ def _two_ranks(tmp_path: Path, tiny_model: Path, service: ServiceName) -> None:
         _assert_same_params(one, full)  # before the resume below trains `one` further
         if service == "actor":
             _resume_on_two_ranks(tmp_path / "ckpt", tr, group, r)
+        else:  # the critic scores through its sharded model: the values the one rank gives
+            assert isinstance(one, ValueModel)
+            with torch.no_grad():
+                want = one.values(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+            assert torch.allclose(group.call(Op.SCORE, r), want, atol=1e-5)
     finally:
         group.close()
     # The step moved the weights, and both runs moved them alike.
