@@ -1,9 +1,11 @@
 """A dead trainer rank is a dead service: kill -9 of the actor's follower rank fails the actor
 fast and the supervisor restarts it; kill -9 of rank 0 takes its follower with it (no orphan).
-Either way the run completes and `rlfleet audit` passes."""
+Either way the run completes and `rlfleet audit` passes, with a 2-rank critic (PPO) beside it
+checkpointing DCP shards."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -49,7 +51,9 @@ def _restarted(run, times: int, within_s: float = 60.0):  # type: ignore[no-unty
 
 def test_kill9_of_either_actor_rank_restarts_the_actor_and_the_run_completes(
         tmp_path: Path, tiny_model: Path, run_factory) -> None:  # noqa: F811
-    cfg = fault_config(tmp_path / "run", tiny_model, services={"actor": {"trainer_ranks": 2}})
+    # PPO: the critic trains (and scores) on 2 ranks through the whole run as well.
+    cfg = fault_config(tmp_path / "run", tiny_model,
+                       services={"actor": {"trainer_ranks": 2}, "critic": {"trainer_ranks": 2}})
     run = run_factory(cfg)
     first = run.fleet.procs["actor"].proc.pid
     follower = _follower(first)
@@ -64,3 +68,7 @@ def test_kill9_of_either_actor_rank_restarts_the_actor_and_the_run_completes(
     assert _gone(follower), "the follower outlived rank 0 (an orphan)"
     run.finish()
     assert run.fleet.procs["actor"].restarts == 2
+    assert run.fleet.procs["critic"].restarts == 0
+    cdir = cfg.checkpoint_dir / "critic"
+    meta = json.loads((cdir / (cdir / "latest").read_text().strip() / "meta.json").read_text())
+    assert meta["layout"] == "dcp" and meta["ranks"] == 2

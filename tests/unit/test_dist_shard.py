@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.core.config import ConfigError, parse_config
 from services.dist.shard import rank_split
 from services.rl.batch import Rollout
 from services.rl.trainer import micro_weights
@@ -38,3 +39,10 @@ def test_ranks_cover_every_row_once_with_the_one_rank_weights(n: int, micro: int
     assert sum(w for _, w in real) / world == pytest.approx(one)
     for rows, w in real:  # each piece weighs its share of the global minibatch's loss units
         assert w / world == pytest.approx(int(units[rows].sum()) / total if total else len(rows) / n)
+
+
+def test_only_the_trainable_services_take_trainer_ranks() -> None:
+    ok = parse_config({"services": {"actor": {"trainer_ranks": 4}, "critic": {"trainer_ranks": 2}}}, source="t")
+    assert ok.endpoint("actor").trainer_ranks == 4 and ok.endpoint("reward").trainer_ranks == 1
+    with pytest.raises(ConfigError, match=r"services\.reward\.trainer_ranks"):
+        parse_config({"services": {"reward": {"trainer_ranks": 2}}}, source="t")
