@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from peft import PeftModel
+from transformers import PreTrainedModel
 
 from services.actor.engine_metrics import ReplicaCollector, replica_rows
 from services.actor.outbox import Outbox
@@ -32,10 +34,13 @@ from services.core.servicer import ServiceCalls, invalid
 from services.core.trainable import Trainable, WeightsRefused
 from services.core.wire import TrainRequest, WireError, check_schema_version, message, parse_message, rollout_to_proto
 from services.core.worker import Rejected, StreamWorker
+from services.dist.build import build_model, build_trainer
+from services.dist.group import RankGauges, RankGroup
+from services.dist.protocol import RankError
 from services.models.engine import EngineError, SamplingParams, completions_to_rollout
 from services.models.factory import make_engine
 from services.models.loading import load_tokenizer
-from services.models.lora import check_only_adapters_train, engine_weights, load_policy
+from services.models.lora import check_only_adapters_train, engine_weights
 from services.models.replicas import ReplicaEngine
 from services.rl.trainer import PolicyTrainer
 
@@ -48,16 +53,24 @@ class Actor:
         self.cfg = cfg
         path = Path(cfg.models.policy.path)
         self.tokenizer = load_tokenizer(path)
-        self.policy = load_policy(cfg.models.policy, path, cfg.endpoint("actor").device, cfg.run.seed)
+        # Several trainer ranks: this process is rank 0 of a group it starts here, on the main
+        # thread (followers die with the thread that started them).
+        self.ranks = RankGroup(cfg, "actor") if cfg.endpoint("actor").trainer_ranks > 1 else None
+        if self.ranks is not None:
+            self.policy, trainer = self.ranks.trainer.model, self.ranks.trainer.trainer
+        else:
+            self.policy = build_model(cfg, "actor", cfg.endpoint("actor").device)
+            trainer = build_trainer(cfg, "actor", self.policy)
+        # A LoRA policy is a peft wrapper, which passes `config` and the rest through to the model.
+        assert isinstance(trainer, PolicyTrainer) and isinstance(self.policy, PreTrainedModel | PeftModel)
+        self.trainer = trainer
+        if cfg.models.policy.lora is not None:
+            check_only_adapters_train(self.policy, self.trainer.opt)
         self.limits = Limits.for_run(cfg, vocab_size=int(self.policy.config.vocab_size))
         self.engine = make_engine(cfg.generation.engine, path,
                                   dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
                                   **cfg.generation.engine_kwargs(cfg.run_dir))
-        self.trainer = PolicyTrainer(self.policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
-                                     gradient_checkpointing=cfg.models.policy.gradient_checkpointing)
-        if cfg.models.policy.lora is not None:
-            check_only_adapters_train(self.policy, self.trainer.opt)
-        self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt, limits=self.limits)
+        self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt, limits=self.limits, ranks=self.ranks)
         if self.t.restore():
             self.sync_engine(self.t.version)
         self.outbox = Outbox.open(cfg.run_dir / "outbox" / "actor")
@@ -67,11 +80,19 @@ class Actor:
         self.metrics = self.runtime.metrics
         if isinstance(self.engine, ReplicaEngine):
             self.metrics.registry.register(ReplicaCollector(self.engine, self.runtime.gpu))
+        self.rank_gauges = RankGauges(self.metrics.registry) if self.ranks is not None else None
         self.bus: Bus | None = None
         self.worker: StreamWorker | None = None
         self.engine_lock = asyncio.Lock()  # generation vs weight sync
         self.held = False  # backpressure state
         self.fill = 0.0
+
+    def weights(self) -> Any:
+        """(name, tensor) pairs of the whole policy, for the engine: gathered from every rank, or
+        merged with its adapters for a LoRA policy."""
+        if self.ranks is not None:
+            return self.ranks.full_state().items()
+        return engine_weights(self.policy)
 
     # -- runtime callbacks ---------------------------------------------------------------------------
     @property
@@ -89,12 +110,19 @@ class Actor:
         w = self.worker
         return {"version": self.version, "checkpoint_version": self.t.checkpoint_version,
                 "backpressure": self.held, "fill_ratio": round(self.fill, 3), "handled": w.handled if w else 0,
-                "outbox": self.outbox.pending(), **self._engine_status()}
+                "outbox": self.outbox.pending(), **self._engine_status(), **self._rank_status()}
 
     def _engine_status(self) -> dict[str, Any]:
         if not isinstance(self.engine, ReplicaEngine):
             return {}
         return {"engine_replicas": replica_rows(self.engine, self.runtime.gpu)}
+
+    def _rank_status(self) -> dict[str, Any]:
+        if self.ranks is None or self.rank_gauges is None:
+            return {}
+        ranks = self.ranks.status()
+        self.rank_gauges.show(self.ranks.ranks)
+        return {"ranks": ranks}
 
     async def on_drain(self) -> None:
         # Stop taking prompts and finish the batch in hand, let a running Train finish, then
@@ -109,6 +137,8 @@ class Actor:
             await self.bus.close()
         self.outbox.close()
         await asyncio.to_thread(self.engine.close)  # a process engine's child stops now, not at exit
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.stop)
 
     # -- backpressure --------------------------------------------------------------------------------
     async def gate(self) -> None:
@@ -232,16 +262,27 @@ class Actor:
 
     # -- training ------------------------------------------------------------------------------------
     async def train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:
-        res = await self.t.train(request, context, require=("advantages",), apply=self._train_step)
+        try:
+            res = await self.t.train(request, context, require=("advantages",), apply=self._train_step)
+        except RankError as e:
+            # The actor is going down (watch_engine sees the broken group): the controller retries
+            # the step on its replacement, as after any restart.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.metrics.policy_version.set(self.version)
         return res
 
     async def _train_step(self, req: TrainRequest) -> dict[str, float]:
         with self.metrics.time_stage("actor_train"):
-            stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step, self.version)
+            if self.ranks is not None:
+                stats = await asyncio.to_thread(self.ranks.train, req.rollout, req.step, self.version)
+            else:
+                stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step, self.version)
+        if self.rank_gauges is not None and self.ranks is not None:
+            self.rank_gauges.show(self.ranks.ranks)
         with self.metrics.time_stage("weight_sync"):
+            weights = await asyncio.to_thread(self.weights)  # gathered before the engine is held
             async with self.engine_lock:
-                await asyncio.to_thread(self.sync_engine, req.target_version)
+                await asyncio.to_thread(self.engine.update_weights, weights, req.target_version)
         # No await from here until Trainable moves the version: a generation that takes the engine
         # lock in between would label the new weights with the old version.
         m = self.metrics
@@ -252,7 +293,7 @@ class Actor:
 
     def sync_engine(self, version: int) -> None:
         """The trainer's weights into the engine (merged there for a LoRA policy, off the event loop)."""
-        self.engine.update_weights(engine_weights(self.policy), version)
+        self.engine.update_weights(self.weights(), version)
 
     async def update_weights(self, request: pb.UpdateWeightsRequest, context: Any) -> pb.UpdateWeightsResponse:
         """Load a checkpoint path into the trainer and the engine (UpdateWeights): its version must
@@ -276,8 +317,9 @@ class Actor:
                 self.t.check_weights_version(version, committed)
                 if version > self.version:
                     step = await asyncio.to_thread(self.t.load_weights, path, version)
+                    weights = await asyncio.to_thread(self.weights)
                     async with self.engine_lock:
-                        await asyncio.to_thread(self.sync_engine, version)
+                        await asyncio.to_thread(self.engine.update_weights, weights, version)
                         self.t.version, self.t.step = version, step
             except WeightsRefused as e:
                 log.warning("update_weights refused", extra={"version": version, "error": str(e)[:300]})
@@ -308,9 +350,11 @@ class Actor:
                 task.cancel()
 
     async def watch_engine(self) -> None:
-        """Fail fast when the engine's own process (generation.process) has died."""
-        while self.engine.alive:
+        """Fail fast when the engine's own process (generation.process) or a trainer rank died."""
+        while self.engine.alive and (self.ranks is None or self.ranks.alive):
             await asyncio.sleep(1.0)
+        if self.ranks is not None and not self.ranks.alive:
+            raise RankError(self.ranks.why_dead())
         which = ""
         if isinstance(self.engine, ReplicaEngine):
             dead = self.engine.dead_replicas()

@@ -159,6 +159,11 @@ class Endpoint(_Strict):
     # Torch device of this service's models (trainer, scorer): "cpu", "cuda" or "cuda:N". The GPU
     # behind "cuda" is the first of the device group's, which sets CUDA_VISIBLE_DEVICES.
     device: str = "cpu"
+    # Trainer ranks of the actor or the critic: N > 1 starts N - 1 follower processes (one per rank,
+    # torch.distributed, FSDP2) beside the service process, which is rank 0. On CUDA rank r trains
+    # on cuda:r of the visible devices, so the device group (CUDA_VISIBLE_DEVICES) needs N GPUs;
+    # `rlfleet plan` reads this field to size the group. On the CPU every rank trains on the CPU.
+    trainer_ranks: Annotated[int, Field(ge=1, le=64)] = 1
 
     @field_validator("device")
     @classmethod
@@ -278,6 +283,15 @@ class RunConfig(_Strict):
                     f" replicas, got {ep.replicas}"
                 )
         self._check_engine_replicas()
+        for name, ep in self.services.items():
+            if ep.trainer_ranks > 1 and name not in ("actor", "critic"):
+                raise ValueError(
+                    f"services.{name}.trainer_ranks: only the trainable services (actor, critic) train on"
+                    f" several ranks, got {ep.trainer_ranks}"
+                )
+        if self.models.policy.lora is not None and self.endpoint("actor").trainer_ranks > 1:
+            raise ValueError("models.policy.lora with services.actor.trainer_ranks > 1: LoRA adapters train on one"
+                             " rank (FSDP2 sharding of a peft model is not supported); set trainer_ranks 1")
         ov = self.algo.overlong_buffer_len
         if ov is not None and ov > self.generation.max_new_tokens:
             raise ValueError(f"algo.overlong_buffer_len ({ov}) must be at most generation.max_new_tokens"

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -33,8 +33,10 @@ ScoreFn = Callable[[Rollout], torch.Tensor | tuple[torch.Tensor, dict[str, torch
 
 class ScoringService:
     def __init__(self, cfg: RunConfig, stage: ServiceName, score: ScoreFn,
-                 version: Callable[[], int] = lambda: 0, trainable: Trainable | None = None) -> None:
+                 version: Callable[[], int] = lambda: 0, trainable: Trainable | None = None,
+                 watch: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
         self.cfg = cfg
+        self.watch = watch  # raises when a part of the service (a trainer rank) died: fail fast
         self.trainable = trainable
         self.stage = stage
         self.score_fn = score
@@ -101,9 +103,16 @@ class ScoringService:
                                    self.metrics)
         await self.runtime.refresh_readiness()
         follow = asyncio.create_task(self._follow_versions()) if self.trainable else None
+        tasks = {asyncio.create_task(self.worker.run())}
+        if self.watch is not None:
+            tasks.add(asyncio.create_task(self.watch()))
         try:
-            await self.worker.run()
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
         finally:
+            for task in tasks:
+                task.cancel()
             if follow is not None:
                 follow.cancel()
 

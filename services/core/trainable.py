@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import torch
@@ -31,6 +31,7 @@ from services.core.wire import TrainRequest, WireError, message, train_batch_fro
 from services.models.checkpoint import (
     CheckpointDiskFull,
     CheckpointError,
+    CheckpointMeta,
     load_latest,
     prune,
     save_checkpoint,
@@ -49,6 +50,17 @@ log = logging.getLogger("rlfleet.trainable")
 ApplyFn = Callable[[TrainRequest], Awaitable[dict[str, float]]]
 
 
+class Ranks(Protocol):
+    """A trainer of several ranks (services.dist.group.RankGroup): checkpoints and weight loads go
+    through every rank, since each holds only its shards of `model` and `optimizer`."""
+
+    def write(self, tmp: Path) -> None: ...
+
+    def load(self, meta: CheckpointMeta, opt_state: dict[str, Any] | None) -> None: ...
+
+    def load_weights(self, files: list[Path], opt_state: dict[str, Any] | None) -> None: ...
+
+
 class WeightsRefused(Exception):
     """An UpdateWeights that cannot be applied; `code` is the gRPC status it answers with."""
 
@@ -59,8 +71,9 @@ class WeightsRefused(Exception):
 
 class Trainable:
     def __init__(self, cfg: RunConfig, service: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, ranks: Ranks | None = None) -> None:
         self.cfg = cfg
+        self.ranks = ranks
         self.service = service
         self.model = model
         self.optimizer = optimizer
@@ -76,7 +89,8 @@ class Trainable:
         self.lock = asyncio.Lock()  # one Train (or checkpoint) at a time
 
     def restore(self) -> int:
-        meta = load_latest(self.root, self.service, self.model, self.optimizer)
+        meta = load_latest(self.root, self.service, self.model, self.optimizer,
+                           rank_load=self.ranks.load if self.ranks is not None else None)
         if meta is not None:
             self.version = self.checkpoint_version = meta.version
             self.step = meta.step
@@ -88,7 +102,8 @@ class Trainable:
         if self.version == 0 or self.version <= self.checkpoint_version:
             return
         try:
-            save_checkpoint(self.root, self.service, self.version, self.step, self.model, self.optimizer)
+            save_checkpoint(self.root, self.service, self.version, self.step, self.model, self.optimizer,
+                            rank_write=self.ranks.write if self.ranks is not None else None)
         except CheckpointDiskFull as err:
             # Training goes on; the checkpoint is due again after the next step, and until one lands
             # the controller keeps the batches a replacement would need.
@@ -172,19 +187,24 @@ class Trainable:
                                      " adapters from its own checkpoints only")
             else:
                 files = _safetensors_files(path)
-            tensors: dict[str, torch.Tensor] = {}
-            for f in files:
-                tensors.update(load_file(str(f)))
-            if is_lora(self.model):
-                load_adapter_state(self.model, tensors)  # type: ignore[arg-type]
+            if self.ranks is not None:
+                # Every rank loads its shards; the names are checked before any rank copies one.
+                self.ranks.load_weights(files, opt_state)
             else:
-                load_strict(self.model, tensors)  # checks every name and shape before it copies any
+                tensors: dict[str, torch.Tensor] = {}
+                for f in files:
+                    tensors.update(load_file(str(f)))
+                if is_lora(self.model):
+                    load_adapter_state(self.model, tensors)  # type: ignore[arg-type]
+                else:
+                    load_strict(self.model, tensors)  # checks every name and shape before it copies any
         except (CheckpointError, WeightSyncError, SafetensorError, OSError) as err:
             raise WeightsRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{path}: {err}") from None
-        if opt_state is not None:
-            self.optimizer.load_state_dict(opt_state)
-        else:
-            self.optimizer.state.clear()
+        if self.ranks is None:
+            if opt_state is not None:
+                self.optimizer.load_state_dict(opt_state)
+            else:
+                self.optimizer.state.clear()
         self.version, self.step = version, step
         log.info("weights loaded", extra={"service": self.service, "version": version, "path": str(path)})
         return step

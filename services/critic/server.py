@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import torch
 
 from services.core.config import RunConfig
@@ -14,8 +15,10 @@ from services.core.scoring import ScoringService
 from services.core.servicer import ServiceCalls
 from services.core.trainable import Trainable
 from services.core.wire import TrainRequest
+from services.dist.build import build_model, build_trainer
+from services.dist.group import RankGauges, RankGroup
+from services.dist.protocol import Op, RankError
 from services.models.critic import ValueModel
-from services.models.roles import critic_path
 from services.rl.batch import Rollout
 from services.rl.trainer import ValueTrainer
 
@@ -24,25 +27,46 @@ class Critic:
     def __init__(self, cfg: RunConfig) -> None:
         assert cfg.models.policy.path is not None, "the launcher resolves models.policy.path"
         self.cfg = cfg
-        spec = cfg.models.critic or cfg.models.policy
-        self.model = ValueModel.from_policy(critic_path(cfg, cfg.models.policy.path), dtype=spec.dtype,  # type: ignore[arg-type]
-                                            device=cfg.endpoint("critic").device)
-        self.trainer = ValueTrainer(self.model, cfg.algo, seed=cfg.run.seed,
-                                    gradient_checkpointing=spec.gradient_checkpointing)
-        self.svc = ScoringService(cfg, "critic", self.score, version=lambda: self.t.version)
-        self.t = Trainable(cfg, "critic", self.model, self.trainer.opt, limits=self.svc.limits)
+        # Several trainer ranks: this process is rank 0 of a group it starts here (main thread).
+        self.ranks = RankGroup(cfg, "critic") if cfg.endpoint("critic").trainer_ranks > 1 else None
+        if self.ranks is not None:
+            model, trainer = self.ranks.trainer.model, self.ranks.trainer.trainer
+        else:
+            model = build_model(cfg, "critic", cfg.endpoint("critic").device)
+            trainer = build_trainer(cfg, "critic", model)
+        assert isinstance(model, ValueModel) and isinstance(trainer, ValueTrainer)
+        self.model, self.trainer = model, trainer
+        self.svc = ScoringService(cfg, "critic", self.score, version=lambda: self.t.version,
+                                  watch=self.watch_ranks if self.ranks is not None else None)
+        self.t = Trainable(cfg, "critic", self.model, self.trainer.opt, limits=self.svc.limits, ranks=self.ranks)
         self.svc.trainable = self.t
+        self.rank_gauges = RankGauges(self.svc.metrics.registry) if self.ranks is not None else None
         self.t.restore()
 
     @property
     def version(self) -> int:
         return self.t.version
 
+    async def watch_ranks(self) -> None:
+        """Fail fast when a trainer rank has died: the supervisor restarts the whole service."""
+        assert self.ranks is not None
+        while self.ranks.alive:
+            await asyncio.sleep(1.0)
+        raise RankError(self.ranks.why_dead())
+
+    @torch.no_grad()
     def score(self, r: Rollout) -> torch.Tensor:
+        if self.ranks is not None:
+            values: torch.Tensor = self.ranks.call(Op.SCORE, r)
+            return values
         return self.trainer.score(r)
 
     async def train(self, request: pb.TrainBatch, context: Any) -> pb.TrainResult:
-        res = await self.t.train(request, context, require=("returns", "values"), apply=self._train_step)
+        try:
+            res = await self.t.train(request, context, require=("returns", "values"), apply=self._train_step)
+        except RankError as e:
+            # The critic is going down (watch_ranks): the controller retries on its replacement.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.svc.metrics.policy_version.set(self.version)
         return res
 
@@ -50,7 +74,12 @@ class Critic:
         m = self.svc.metrics
         with m.time_stage("critic_train"):
             async with self.svc.model_lock:
-                stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step)
+                if self.ranks is not None:
+                    stats = await asyncio.to_thread(self.ranks.train, req.rollout, req.step, self.version)
+                else:
+                    stats = await asyncio.to_thread(self.trainer.train_step, req.rollout, req.step)
+        if self.ranks is not None and self.rank_gauges is not None:
+            self.rank_gauges.show(self.ranks.ranks)
         m.loss.labels(kind="value").set(stats.get("value_loss", 0.0))
         m.samples.labels(phase="train").inc(len(req.rollout))
         return stats

@@ -37,6 +37,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
+from services.models.checkpoint_dcp import DCP_DIR, files_of, load_dcp
 from services.models.checkpoint_layout import (
     FORMAT,
     META_FILE,
@@ -82,6 +84,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# A multi-rank trainer writes its checkpoint through its ranks: given the temporary version
+# directory, every rank writes its DCP shards under `dcp/` (checkpoint_dcp.save_dcp).
+RankWrite = Callable[[Path], None]
+# ...and loads one through them: (the verified checkpoint, the optimizer state of a one-rank
+# checkpoint read on this rank, else None).
+RankLoad = Callable[[CheckpointMeta, "dict[str, Any] | None"], None]
+
 
 # -- public API --------------------------------------------------------------------------------
 
@@ -93,10 +102,11 @@ def save_checkpoint(
     step: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
+    rank_write: RankWrite | None = None,
 ) -> Path:
     """`_save_checkpoint`, with a full disk raised as `CheckpointDiskFull` (never half a checkpoint)."""
     try:
-        return _save_checkpoint(root, service, version, step, model, optimizer)
+        return _save_checkpoint(root, service, version, step, model, optimizer, rank_write)
     except CheckpointError:
         raise
     except Exception as err:
@@ -126,6 +136,7 @@ def _save_checkpoint(
     step: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
+    rank_write: RankWrite | None = None,
 ) -> Path:
     """Write checkpoint `version` of `service` and make it `latest`; returns its directory.
 
@@ -171,7 +182,7 @@ def _save_checkpoint(
 
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=sdir))
         try:
-            _write_contents(tmp, service, version, step, model, optimizer)
+            _write_contents(tmp, service, version, step, model, optimizer, rank_write)
             fsync_dir(tmp)
             if final.exists():
                 # A version dir that exists here is either unacknowledged (left by a save that died
@@ -191,7 +202,8 @@ def _save_checkpoint(
 
 
 def load_latest(
-    root: Path, service: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    root: Path, service: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+    rank_load: RankLoad | None = None,
 ) -> CheckpointMeta | None:
     """Load the acknowledged checkpoint of `service` into `model` (and `optimizer`) in place.
 
@@ -214,7 +226,7 @@ def load_latest(
     failures: list[str] = []
     for path in candidates:
         try:
-            meta = load_checkpoint(path, model, optimizer, service=service)
+            meta = load_checkpoint(path, model, optimizer, service=service, rank_load=rank_load)
         except CheckpointCorrupt as err:
             log.warning("checkpoint %s is unusable: %s; falling back to the previous one", path, err)
             failures.append(str(err))
@@ -269,19 +281,36 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     service: str | None = None,
+    rank_load: RankLoad | None = None,
 ) -> CheckpointMeta:
     """Verify the checkpoint directory `path`, then load it into `model` (and `optimizer`) in place.
 
     Everything is verified before either module is touched, so a damaged checkpoint never leaves a
     half-loaded model behind. Parameters are copied into the existing tensors (the optimizer keeps
-    pointing at them); their dtype and device stay as they are."""
+    pointing at them); their dtype and device stay as they are. Either layout loads into any
+    number of ranks: a multi-rank trainer passes `rank_load`; a DCP checkpoint loads into one
+    rank (or an export's plain model) by DCP's own resharding."""
     path = Path(path)
     meta = verify_checkpoint(path, service)
     opt_state: dict[str, Any] | None = None
-    if optimizer is not None:
+    if meta.layout == "dcp" and rank_load is None:
+        try:
+            load_dcp(path / DCP_DIR, model, optimizer)
+        except Exception as err:
+            raise CheckpointMismatch(f"{path / DCP_DIR} does not fit {type(model).__name__}: {err}") from err
+        return meta
+    if optimizer is not None and meta.layout != "dcp":
         if not meta.has_optimizer:
             raise CheckpointMismatch(f"checkpoint {path} holds no optimizer state, but an optimizer was given")
         opt_state = read_optimizer_state(path, optimizer)
+    if rank_load is not None:
+        try:
+            rank_load(meta, opt_state)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointMismatch(f"checkpoint {path} does not fit the {service} trainer ranks: {err}") from err
+        return meta
     try:
         if is_lora(model):  # the adapters only; the frozen base came from models.policy.path
             load_adapter_state(model, load_file(str(path / MODEL_FILE)))  # type: ignore[arg-type]
@@ -340,8 +369,41 @@ def prune(root: Path, service: str, keep: int = 2) -> list[Path]:
 
 
 def _write_contents(
-    tmp: Path, service: str, version: int, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    tmp: Path, service: str, version: int, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    rank_write: RankWrite | None = None,
 ) -> None:
+    extra: dict[str, Any] = {}
+    if rank_write is not None:
+        rank_write(tmp)
+        names = [str(f.relative_to(tmp)) for f in files_of(tmp / DCP_DIR)]
+        extra = {"layout": "dcp", "ranks": _ranks(tmp / DCP_DIR)}
+    else:
+        names = _write_safetensors(tmp, model, optimizer)
+    files: dict[str, dict[str, Any]] = {}
+    for name in names:
+        f = tmp / name
+        fsync_file(f)  # safetensors and DCP write without fsync; write_bytes already synced, cheap again
+        files[name] = {"sha256": sha256(f), "bytes": f.stat().st_size}
+    if rank_write is not None:
+        fsync_dir(tmp / DCP_DIR)
+    meta = {
+        "format": FORMAT,
+        "service": service,
+        "version": version,
+        "step": step,
+        "created_at": time.time(),
+        "files": files,
+        **extra,
+    }
+    write_bytes(tmp / META_FILE, json_bytes(meta))  # last file of the directory
+
+
+def _ranks(directory: Path) -> int:
+    # DCP names each rank's file __<rank>_<n>.distcp.
+    return len({f.name.split("_")[2] for f in directory.glob("__*_*.distcp")}) or 1
+
+
+def _write_safetensors(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[str]:
     if is_lora(model):
         # A LoRA policy's base never changes: its checkpoint is the adapters (optimizer state
         # below is theirs too), in peft's naming.
@@ -356,17 +418,4 @@ def _write_contents(
         save_file(tensors, str(tmp / OPTIM_TENSORS_FILE))
         write_bytes(tmp / OPTIM_JSON_FILE, json_bytes(doc, indent=None))
         names += [OPTIM_TENSORS_FILE, OPTIM_JSON_FILE]
-    files: dict[str, dict[str, Any]] = {}
-    for name in names:
-        f = tmp / name
-        fsync_file(f)  # safetensors writes without fsync; write_bytes already synced, cheap again
-        files[name] = {"sha256": sha256(f), "bytes": f.stat().st_size}
-    meta = {
-        "format": FORMAT,
-        "service": service,
-        "version": version,
-        "step": step,
-        "created_at": time.time(),
-        "files": files,
-    }
-    write_bytes(tmp / META_FILE, json_bytes(meta))  # last file of the directory
+    return names

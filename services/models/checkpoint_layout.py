@@ -29,6 +29,7 @@ MODEL_FILE = "model.safetensors"
 OPTIM_TENSORS_FILE = "optimizer.safetensors"
 OPTIM_JSON_FILE = "optimizer.json"
 META_FILE = "meta.json"
+DCP_DIR = "dcp"
 LATEST = "latest"
 LOCK_FILE = ".lock"
 
@@ -70,10 +71,14 @@ class CheckpointMeta:
     # file name -> sha256 hex digest and size in bytes, for every file but meta.json itself.
     sha256: dict[str, str] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
+    # "safetensors" (one rank: model.safetensors, optimizer.*) or "dcp" (a multi-rank trainer's
+    # torch.distributed.checkpoint files under dcp/, model and optimizer; checkpoint_dcp.py).
+    layout: str = "safetensors"
+    ranks: int = 1
 
     @property
     def has_optimizer(self) -> bool:
-        return OPTIM_TENSORS_FILE in self.sha256
+        return OPTIM_TENSORS_FILE in self.sha256 or self.layout == "dcp"
 
 
 def version_dir_name(version: int) -> str:
@@ -200,11 +205,17 @@ def read_meta(path: Path, service: str | None) -> CheckpointMeta:
             path=path,
             sha256={str(k): str(v["sha256"]) for k, v in files.items()},
             sizes={str(k): int(v["bytes"]) for k, v in files.items()},
+            layout=str(doc.get("layout", "safetensors")),
+            ranks=int(doc.get("ranks", 1)),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CheckpointCorrupt(f"{f} is malformed: {type(err).__name__}: {err}") from err
-    if MODEL_FILE not in meta.sha256:
+    if meta.layout not in ("safetensors", "dcp"):
+        raise CheckpointCorrupt(f"{f} has layout {meta.layout!r}; this code reads 'safetensors' and 'dcp'")
+    if meta.layout == "safetensors" and MODEL_FILE not in meta.sha256:
         raise CheckpointCorrupt(f"{f} lists no {MODEL_FILE}")
+    if meta.layout == "dcp" and f"{DCP_DIR}/.metadata" not in meta.sha256:
+        raise CheckpointCorrupt(f"{f} lists no {DCP_DIR}/.metadata")
     if service is not None and meta.service != service:
         raise CheckpointCorrupt(f"{f} belongs to service {meta.service!r}, not {service!r}")
     dir_version = parse_version_dir(path.name)

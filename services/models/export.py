@@ -29,12 +29,13 @@ from typing import Literal
 import torch
 import yaml
 from safetensors import safe_open
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.core.config import ConfigError, ModelSpec, RunConfig, load_config
 from services.models.atomic import staging_dir
 from services.models.checkpoint import CheckpointError, latest_meta, load_checkpoint, version_dir_name
-from services.models.checkpoint_layout import LATEST, MODEL_FILE
+from services.models.checkpoint_layout import DCP_DIR, LATEST, MODEL_FILE
 from services.models.loading import ModelLoadError, load_tokenizer, require_model_dir, torch_dtype
 from services.models.lora import apply_lora
 
@@ -130,6 +131,13 @@ def _checkpoint_dir(root: Path, version: int | None) -> Path:
 
 def _checkpoint_dtype(path: Path) -> torch.dtype:
     """The dtype the trainer held the weights in: load the base in it, so nothing is rounded."""
+    if (path / DCP_DIR).is_dir():  # a multi-rank trainer's checkpoint: DCP's metadata has the dtypes
+        md = FileSystemReader(str(path / DCP_DIR)).read_metadata().state_dict_metadata
+        dtypes = {m.properties.dtype for k, m in md.items() if k.startswith("model.") and hasattr(m, "properties")}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _ST_DTYPES.values():
+            raise ExportError(f"{path / DCP_DIR} holds {sorted(map(str, dtypes))} weights; an export reads one of"
+                              f" {', '.join(_ST_DTYPES)}")
+        return next(iter(dtypes))
     with safe_open(str(path / MODEL_FILE), framework="pt") as f:
         keys = list(f.keys())
         if not keys:

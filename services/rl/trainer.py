@@ -4,6 +4,7 @@ critic services and the local loop all train through these two classes."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -60,6 +61,11 @@ def micro_plan(mb: Rollout, algo: AlgoSection) -> list[MicroBatch]:
     return plan(mb, algo.loss_agg, algo.micro_batch_size, algo.micro_batch_tokens, algo.pack_sequences)
 
 
+# How a minibatch is cut into weighted micro-batches; a data-parallel rank swaps in its own share
+# (services.dist.shard) so that the sum over ranks is the one-rank gradient.
+SplitFn = Callable[[Rollout, AlgoSection], list[MicroBatch]]
+
+
 class PolicyTrainer:
     """PPO-style policy updates on whatever device the model lives on; rollouts arrive on the CPU and
     move one micro-batch at a time."""
@@ -71,6 +77,7 @@ class PolicyTrainer:
         self.temperature = temperature
         self.seed = seed
         self.device = _device_of(model)
+        self.split: SplitFn = micro_plan
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if algo.compile:
@@ -122,7 +129,7 @@ class PolicyTrainer:
                 mb = r.select(idx)
                 self.opt.zero_grad(set_to_none=True)
                 sums: dict[str, float] = defaultdict(float)
-                for m in micro_plan(mb, algo):
+                for m in self.split(mb, algo):
                     w = m.weight
                     part = part_of(mb, m).to(self.device)
                     rows, width = idx[m.rows], part.response_ids.shape[1]
@@ -166,6 +173,7 @@ class ValueTrainer:
         self.algo = algo
         self.seed = seed
         self.device = _device_of(model)
+        self.split: SplitFn = micro_plan
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.opt = adamw(model, algo.critic_lr, algo.fused_optimizer)
@@ -195,7 +203,7 @@ class ValueTrainer:
                 mb = r.select(idx)
                 self.opt.zero_grad(set_to_none=True)
                 sums: dict[str, float] = defaultdict(float)
-                for m in micro_plan(mb, algo):
+                for m in self.split(mb, algo):
                     w = m.weight
                     part = part_of(mb, m).to(self.device)
                     v = self.values(part, m.bins)
