@@ -338,6 +338,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         "services.fleet": ("FleetError",), "services.tasks.base": ("TaskError",),
         "services.models.loading": ("ModelLoadError",), "services.core.redis_proc": ("RedisNotFound",),
         "services.core.placement": ("PlacementError",), "services.core.journal": ("JournalError",),
+        "services.rl.dynamic_sampling": ("DynamicSamplingExhausted",),
     }
     out: list[type[BaseException]] = []
     for module, classes in names.items():

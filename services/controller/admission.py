@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from services.controller.durable import DurableJournal
+from services.controller.sampling import check_bound
 from services.core import ids
 from services.core.config import RunConfig
 from services.core.events import EventLog
@@ -85,10 +86,14 @@ class Admission:
         first = self.journal.cursor
         self.open = can and in_flight + per_msg <= c.admission_window
         self.metrics.admission_open.set(int(self.open))
-        # Dead tasks never train, so the run admits replacements for them.
-        usable = first * c.algo.group_size - self.journal.counts().get("dead", 0)
+        # Dead and dropped tasks never train, so the run admits replacements for them.
+        counts = self.journal.counts()
+        usable = first * c.algo.group_size - counts.get("dead", 0) - counts.get("dropped", 0)
         if not self.open or usable >= self.needed:
             return None
+        if c.algo.dynamic_sampling:
+            check_bound(self.journal, self.journal.step + 1, c.algo.group_size, c.batch.prompts_per_step,
+                        c.algo.dynamic_sampling_max_rounds)
         tasks = self.tasks(first)
         try:
             await asyncio.to_thread(self.journal.admit, tasks, first + c.batch.prompts_per_message)

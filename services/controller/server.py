@@ -27,6 +27,7 @@ from services.controller.durable import DurableJournal
 from services.controller.evaluation import Evaluation
 from services.controller.recording import StepRecorder
 from services.controller.recovery import ROLLOUT
+from services.controller.sampling import FleetSampling
 from services.controller.trainables import Trainables
 from services.core import ids
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
@@ -84,7 +85,9 @@ class Controller:
             cfg, "controller", readiness=self.readiness, status=self.status, on_drain=self.on_drain)
         self.metrics = self.runtime.metrics
         self.admission = Admission(cfg, self.journal, self.durable, self.tokenizer, task, self.events, self.metrics)
-        self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step)
+        ds = cfg.algo.dynamic_sampling
+        self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step, cfg.algo.group_size if ds else None)
+        self.sampling = FleetSampling(self) if ds else None
         self.trainables = Trainables(cfg, self.trainable, self.journal, self.events, lambda: self.version)
         self.recorder = StepRecorder(cfg.run_dir / "metrics.jsonl", self.metrics, self.events, self.journal)
         self.evaluation = Evaluation(cfg, task, self.tokenizer, self.metrics, lambda: self.trainables.stub("actor"))
@@ -182,6 +185,8 @@ class Controller:
                     batch, failed = None, bad
                 if batch is not None:
                     self.progress[batch.batch_id] = time.monotonic()
+                    if self.sampling is not None:  # a step takes no group of a later batch before it
+                        self.assembler.expect(batch.batch_id, _first_of(batch.batch_id))
             if failed is not None:
                 await self.bad_prompts(failed)
                 continue
@@ -217,6 +222,12 @@ class Controller:
         if set(rollout.task_ids) != expected:
             raise Rejected("unknown_tasks", f"rollout {rid!r} carries task ids that prompt batch {pbid!r} "
                                             "did not admit")
+        # No actor can be past the version of the step being committed (committed + 1): a version
+        # beyond it was never trained, and would fail the staleness check when its step commits.
+        newest = max(rollout.versions.tolist()) if rollout.versions is not None else rollout.version
+        if max(newest, rollout.version) > self.version + 1:
+            raise Rejected("bad_version", f"rollout {rid!r}: version {max(newest, rollout.version)} is ahead of the"
+                                          f" committed version {self.version} + 1")
         # First rollout of a prompt batch wins; a regenerated duplicate is dropped.
         if not await self.durable(self.journal.put_result_if_absent, pbid, ROLLOUT, msg.data):
             return
@@ -253,11 +264,14 @@ class Controller:
             task_ids = [t.task_id for t in self.admission.tasks(_first_of(pbid))]
             recs = [await asyncio.to_thread(self.journal.get, i) for i in task_ids]
             states = {r.state for r in recs if r is not None}
-            if states & {"dead", "trained"}:
+            ended = {"dead"} if self.sampling is not None else {"dead", "trained"}
+            if states & ended or (states and all(r is not None and r.is_terminal for r in recs)):
                 # Its tasks already ended (a stage dead-lettered the batch): the join forgets it.
                 self.assembler.drop(pbid)
                 self.progress.pop(pbid, None)
                 return
+            # With dynamic sampling a batch's groups end one by one (dropped, or trained by a step).
+            self.assembler.exclude(pbid, [r.group_id for r in recs if r is not None and r.is_terminal])
             if "admitted" in states:
                 await self.durable(self.journal.mark_generated, task_ids, version, rid)
                 self.events.emit("generated", task_ids=task_ids, version=version)
@@ -266,6 +280,8 @@ class Controller:
                     for stage in self.stages:
                         await self.durable(self.journal.mark_stage_done, task_ids, stage)
                     self.events.emit("scored", task_ids=task_ids)
+                if self.sampling is not None:
+                    await self.sampling.judge(pbid)
                 # Only now may a step take it: its tasks are `scored` in the journal.
                 self.assembler.mark_ready(pbid)
 
@@ -325,9 +341,16 @@ class Controller:
         batch = parse_message(pb.TrainBatch, raw, max_bytes=self.cfg.flow.max_message_bytes)
         r = validate_rollout_batch(batch.rollout, self.cfg.flow.max_message_bytes)
         per_msg = self.cfg.batch.prompts_per_message
-        for first in sorted({ids.first_of_message(ids.parse_task_id(t)[0], per_msg) for t in r.task_ids}):
-            self.assembler.drop(ids.batch_id(first))
-            self.progress.pop(ids.batch_id(first), None)
+        groups: dict[int, set[int]] = {}
+        for t in r.task_ids:
+            index = ids.parse_task_id(t)[0]
+            groups.setdefault(ids.first_of_message(index, per_msg), set()).add(index)
+        for first, taken in sorted(groups.items()):
+            pbid = ids.batch_id(first)
+            self.assembler.exclude(pbid, sorted(taken))  # group id == dataset index
+            if self.sampling is None or not self.assembler.kept_groups(pbid):
+                self.assembler.drop(pbid)
+                self.progress.pop(pbid, None)
         log.info("resuming a journaled step", extra={"step": int(batch.step) + 1})
         await self._commit_step(batch, r, stats={"resumed": 1.0}, t0=time.perf_counter())
 
@@ -366,6 +389,9 @@ class Controller:
                 await self.durable(self.journal.set_version, name, target)
             self.events.emit("trained", step=done_step, task_ids=r.task_ids, version=target - 1,
                              generated_versions=gen_versions)
+            if self.sampling is not None:
+                await self.sampling.after_commit()
+                stats.update(self.sampling.step_stats(done_step))
         await fault_point(run_dir, "journal_committed", done_step)
         for res in results:
             stats.update({k: float(v) for k, v in res.stats.items()})
