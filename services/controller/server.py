@@ -228,6 +228,8 @@ class Controller:
         if max(newest, rollout.version) > self.version + 1:
             raise Rejected("bad_version", f"rollout {rid!r}: version {max(newest, rollout.version)} is ahead of the"
                                           f" committed version {self.version} + 1")
+        if await asyncio.to_thread(self.journal.get, rollout.task_ids[0]) is None:  # would win, then never train
+            raise Rejected("unknown_tasks", f"rollout {rid!r}: prompt batch {pbid!r} was never admitted")
         # First rollout of a prompt batch wins; a regenerated duplicate is dropped.
         if not await self.durable(self.journal.put_result_if_absent, pbid, ROLLOUT, msg.data):
             return
