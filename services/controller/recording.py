@@ -56,7 +56,8 @@ class StepRecorder:
             "step_s": elapsed, "staleness": staleness, **{f"queue_{k}": v for k, v in depths.items()},
         }
         self.file.append((json.dumps(row) + "\n").encode())
-        self.last = {k: row[k] for k in ("step", "reward_mean", "tokens_per_s", "staleness", "kl") if k in row}
+        self.last = {k: row[k] for k in ("step", "reward_mean", "tokens_per_s", "staleness", "kl", "dropped_groups",
+                                         "admitted_prompts") if k in row}
         m = self.metrics
         m.policy_version.set(version)
         m.staleness.set(staleness)

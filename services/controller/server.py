@@ -136,7 +136,8 @@ class Controller:
     async def status(self) -> dict[str, Any]:
         return {
             "step": self.journal.step, "max_steps": self.cfg.run.max_steps, "version": self.version,
-            "in_flight": self.journal.in_flight(), "admission_open": self.admission.open,
+            "in_flight": self.journal.in_flight(), "dropped": self.journal.counts()["dropped"],
+            "admission_open": self.admission.open,
             "done": self.done, "last": self.recorder.last, "queues": self.recorder.queues,
         }
 
