@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from services.audit import audit
 from services.core.journal import Journal, TaskState
@@ -99,3 +100,22 @@ def test_fleet_drops_equal_groups_like_the_local_loop_across_a_controller_crash(
         for key in ("reward_mean", "adv_abs_mean", "policy_loss"):
             assert b[key] == pytest.approx(a[key], abs=1e-4), (a["step"], key)
     assert compared >= STEPS - 1
+
+
+def test_a_step_that_only_finds_equal_rewards_stops_train_local_with_one_line_naming_the_bound(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    from tests.e2e.test_cli import assert_one_line_error, rlfleet
+
+    (tmp_path / "flat.py").write_text(
+        "def flat(completions, **fields):\n    return [0.5 for _ in completions]\n")
+    cfg = tiny_config(tmp_path / "run", tiny_model, run={"max_steps": 1, "eval_every": 0},
+                      task={"eval_size": 0, "reward_path": str(tmp_path / "flat.py:flat")},
+                      algo={"name": "dapo", "group_size": 2, "dynamic_sampling_max_rounds": 2},
+                      batch={"prompts_per_step": 4, "prompts_per_message": 4})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    p = rlfleet("train", "--local", "--config", str(path), timeout=300)
+    line = assert_one_line_error(p, "step 1 dropped 8 groups", "algo.dynamic_sampling_max_rounds 2")
+    assert line.startswith("rlfleet train: dynamic sampling:"), line
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl") == []  # nothing was trained
