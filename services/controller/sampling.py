@@ -71,6 +71,7 @@ class FleetSampling:
         ctl = self.ctl
         moved = await ctl.durable(functools.partial(ctl.journal.mark_dropped, step=step, kind=kind), task_ids, reason)
         ctl.assembler.exclude(pbid, [group])
+        ctl.reward_parts.take(task_ids)  # never in a step's row: forget their reward components
         if moved:
             ctl.events.emit("dropped", task_ids=moved, reason=reason, step=step)
             ctl.metrics.dropped_groups.labels(kind=kind).inc()

@@ -219,18 +219,7 @@ class Controller:
         rid = rbm.batch_id
         pbid = ids.prompt_batch_of(rid)
         first = _first_of(pbid)
-        expected = {t.task_id for t in self.admission.tasks(first)}
-        if set(rollout.task_ids) != expected:
-            raise Rejected("unknown_tasks", f"rollout {rid!r} carries task ids that prompt batch {pbid!r} "
-                                            "did not admit")
-        # No actor can be past the version of the step being committed (committed + 1): a version
-        # beyond it was never trained, and would fail the staleness check when its step commits.
-        newest = max(rollout.versions.tolist()) if rollout.versions is not None else rollout.version
-        if max(newest, rollout.version) > self.version + 1:
-            raise Rejected("bad_version", f"rollout {rid!r}: version {max(newest, rollout.version)} is ahead of the"
-                                          f" committed version {self.version} + 1")
-        if await asyncio.to_thread(self.journal.get, rollout.task_ids[0]) is None:  # would win, then never train
-            raise Rejected("unknown_tasks", f"rollout {rid!r}: prompt batch {pbid!r} was never admitted")
+        await asyncio.to_thread(self.admission.check_rollout, rid, first, rollout)
         # First rollout of a prompt batch wins; a regenerated duplicate is dropped.
         if not await self.durable(self.journal.put_result_if_absent, pbid, ROLLOUT, msg.data):
             return
