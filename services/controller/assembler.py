@@ -59,7 +59,7 @@ class StepAssembler:
         if stage not in self.stages:
             raise ValueError(f"score for stage {stage!r}, which this run does not use ({self.stages})")
         e = self._by_batch.get(prompt_batch_of(rollout_id))
-        if e is None:
+        if e is None or e.rollout_id is None:  # no rollout yet (at most `expect`ed): keep it for it
             early = self._early.setdefault(rollout_id, {})
             if stage in early:
                 return False

@@ -109,8 +109,9 @@ def test_group_steps_take_kept_groups_in_dataset_order_and_wait_for_earlier_batc
         a.expect(f"b{first}", first)
     for first in (2, 4):  # b0 has no rollout yet: nothing may be taken before it
         r = rollout(first, 2, 2, [0.0, 1.0, 1.0, 0.0])
+        assert a.add_score(f"b{first}:n", "reward", r.rewards)  # type: ignore[arg-type]  # before its rollout
         a.add_rollout(f"b{first}:n", r, order=first)
-        a.add_score(f"b{first}:n", "reward", r.rewards)  # type: ignore[arg-type]
+        assert a.has_all_scores(f"b{first}")
         a.mark_ready(f"b{first}")
     assert a.take_step() is None
     r0 = rollout(0, 2, 2, [1.0, 1.0, 0.0, 1.0])
