@@ -117,7 +117,7 @@ def _fleet_table(status: dict[str, Any], cfg: RunConfig) -> Any:
     for name, row in status.items():
         detail = row.get("detail", {}) or {}
         extra = ", ".join(f"{k}={v}" for k, v in detail.items()
-                          if k in ("in_flight", "handled", "fill_ratio", "backpressure", "admission_open"))
+                          if k in ("in_flight", "dropped", "handled", "fill_ratio", "backpressure", "admission_open"))
         t.add_row(name, str(row.get("pid", "")), str(row.get("state", "")),
                   str(detail.get("version", row.get("version", ""))), str(row.get("restarts", 0)), extra)
     return t
@@ -347,6 +347,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         "services.fleet": ("FleetError",), "services.tasks.base": ("TaskError",),
         "services.models.loading": ("ModelLoadError",), "services.core.redis_proc": ("RedisNotFound",),
         "services.core.placement": ("PlacementError",), "services.core.journal": ("JournalError",),
+        "services.rl.dynamic_sampling": ("DynamicSamplingExhausted",),
     }
     out: list[type[BaseException]] = []
     for module, classes in names.items():

@@ -27,6 +27,7 @@ from services.models.roles import critic_path, prepare, reward_model_path
 from services.reference.scorer import ReferenceScorer
 from services.reward.scorer import RewardScorer
 from services.rl import batch as rb
+from services.rl.dynamic_sampling import fill_step
 from services.rl.pipeline import compute_advantages
 from services.rl.trainer import PolicyTrainer, ValueTrainer
 from services.tasks import chat
@@ -135,26 +136,42 @@ def run_local(
     version = 0
     eval_before = evaluate(cfg, engine, task, tok, 0, version, samples_path, suffix="_before")
     log.info("eval before training", extra=eval_before)
-    per_msg = cfg.batch.prompts_per_message
+    per_msg, algo = cfg.batch.prompts_per_message, cfg.algo
+    cursor = 0  # dataset index of the next message
+
+    def score(part: rb.Rollout) -> dict[str, torch.Tensor]:
+        """Score one message, as the scoring services do; its reward components by name."""
+        part.rewards, named = reward.score_with_components(part)
+        if reference is not None:
+            part.ref_logprobs = reference.score(part)
+        if critic_trainer is not None:
+            part.values = critic_trainer.score(part)
+        return named
+
     for step in range(cfg.run.max_steps):
         t0 = time.perf_counter()
-        first = step * cfg.batch.prompts_per_step
-        parts = [generate_message(cfg, engine, task, tok, first + k * per_msg)
-                 for k in range(cfg.batch.prompts_per_step // per_msg)]
-        t_gen = time.perf_counter()
-        # Score per message, as the scoring services do, then join into the step batch.
+        ds_stats: dict[str, float] = {}
         components: dict[str, list[float]] = {}
-        for part in parts:
-            part.rewards, named = reward.score_with_components(part)
-            for name, values in named.items():
-                components.setdefault(name, []).extend(values.tolist())
-            if reference is not None:
-                part.ref_logprobs = reference.score(part)
-            if critic_trainer is not None:
-                part.values = critic_trainer.score(part)
+        if algo.dynamic_sampling:
+            # Generation and scoring interleave: each message is judged before the next is sampled.
+            filled = fill_step(step + 1, cursor, cfg.batch.prompts_per_step, per_msg, algo.dynamic_sampling_tol,
+                               algo.dynamic_sampling_max_rounds,
+                               lambda first: _sampled(generate_message(cfg, engine, task, tok, first), score))
+            parts, components, cursor, ds_stats = filled.groups, filled.components, filled.cursor, filled.stats()
+            t_gen = time.perf_counter()
+        else:
+            parts = [generate_message(cfg, engine, task, tok, cursor + k * per_msg)
+                     for k in range(cfg.batch.prompts_per_step // per_msg)]
+            cursor += cfg.batch.prompts_per_step
+            t_gen = time.perf_counter()
+            for part in parts:
+                for name, values in score(part).items():
+                    components.setdefault(name, []).extend(values.tolist())
+        # ... then join into the step batch.
         r = rb.concat(parts, pad_id=tok.pad_token_id)  # type: ignore[attr-defined]
         t_score = time.perf_counter()
         stats = compute_advantages(r, cfg.algo, cfg.generation.max_new_tokens)
+        stats.update(ds_stats)
         stats.update(trainer.train_step(r, step=step, current_version=version))
         if critic_trainer is not None:
             stats.update(critic_trainer.train_step(r, step=step))
@@ -188,3 +205,8 @@ def run_local(
     export_final(run_dir, base=roles.policy_path)
     return metrics_path
 
+
+
+def _sampled(part: rb.Rollout, score: Callable[[rb.Rollout], dict[str, torch.Tensor]]) -> tuple[
+        rb.Rollout, dict[str, torch.Tensor]]:
+    return part, score(part)

@@ -28,6 +28,7 @@ PANELS: list[tuple[str, list[str], str]] = [
     ("Throughput", ["tokens_per_s", "samples_per_s"], "per second"),
     ("Queue depth", ["queue_prompts", "queue_rollouts", "queue_scores"], "messages"),
     ("Step time", ["generate_s", "score_s", "train_s", "step_s"], "seconds"),
+    ("Dynamic sampling", ["admitted_prompts", "dropped_groups", "surplus_groups"], "prompts / groups per step"),
 ]
 EVAL_KEYS = ("eval_reward", "eval_reward_greedy", "eval_accuracy", "eval_accuracy_greedy")
 CONFIG_FILES = ("fleet.yaml", "local.yaml")  # the resolved config of a fleet run / a local run

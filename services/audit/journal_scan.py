@@ -1,8 +1,8 @@
 """Invariants 1-3 as the journal holds them, cross-checked with what the event log said.
 
-1. no loss: every journal record is `trained` or `dead`, a dead one with a non-empty reason (a run
-   still going may hold records in flight); every task id an event named has a journal record; a
-   `dead` event's task is dead in the journal.
+1. no loss: every journal record is `trained`, `dead` or `dropped`, a dead or dropped one with a
+   non-empty reason (a run still going may hold records in flight); every task id an event named
+   has a journal record; a `dead` event's task is dead in the journal (dropped ones: `dropped.py`).
 2. exactly-once effect: a task in a `trained` event is `trained` in the journal, in the same step.
 3. bounded staleness: `0 <= trained_version - generated_version <= flow.max_staleness` for every
    trained record, and the journal and the event agree on both versions.
@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from services.audit.dropped import DropLedger
 from services.audit.results import MAX_EXAMPLES, Checks
 from services.audit.tasks import TaskLedger, Trained
 from services.core.journal import Journal, TaskRecord, TaskState
@@ -32,7 +33,8 @@ class JournalScan:
     missing_dead_event: int = 0  # dead in the journal, no dead event: the log is behind
 
 
-def scan_journal(j: Journal, tasks: TaskLedger, checks: Checks, finished: bool, warnings: list[str]) -> JournalScan:
+def scan_journal(j: Journal, tasks: TaskLedger, checks: Checks, finished: bool, warnings: list[str],
+                 drops: DropLedger) -> JournalScan:
     """Every journal record against `tasks` (which it consumes), then the ids only the log knows."""
     c1, c3, c4 = checks[1], checks[3], checks[4]
     scan = JournalScan()
@@ -46,6 +48,7 @@ def scan_journal(j: Journal, tasks: TaskLedger, checks: Checks, finished: bool, 
             missing_admitted_event += 1
         ev = tasks.trained.pop(tid, None)
         dead_reason = tasks.dead_events.get(tid)
+        drops.on_record(rec)
         if dead_reason is not None and rec.state is not TaskState.DEAD:
             c1.fail(
                 "dead_mismatch",
@@ -56,7 +59,7 @@ def scan_journal(j: Journal, tasks: TaskLedger, checks: Checks, finished: bool, 
             scan.missing_dead_event += dead_reason is None
             if not (rec.reason or "").strip():
                 c1.fail("dead_without_reason", f"task {tid!r} is dead with reason {rec.reason!r}")
-        elif rec.state is not TaskState.TRAINED:
+        elif rec.state not in (TaskState.TRAINED, TaskState.DROPPED):
             if finished:
                 c1.fail(
                     "lost",

@@ -78,6 +78,9 @@ class Limits(BaseModel):
     rss_bytes: Count | dict[str, Count] | None = None
     disk_bytes: Count | None = None
     max_in_flight: Count | None = None
+    # From the run's config only (0 / the default without one): what dynamic sampling is checked against.
+    group_size: Count = 0
+    dynamic_sampling_tol: Annotated[float, Field(ge=0)] = 1e-6
     source: str = "defaults"
 
     @field_validator("stages", "trainable", mode="before")
@@ -171,6 +174,7 @@ def resolve_limits(run_dir: Path, limits: dict[str, Any] | None) -> tuple[Limits
                 warnings.append(f"limits[{key!r}]={given[key]!r} ignored: {path.name} says {values[key]!r}")
     else:
         values = _config_values(RunConfig())
+        values["group_size"] = 0  # unknown without the run's config: whole groups are not checked
         from_limits = [k for k in CONFIG_KEYS if k in given]
         values.update({k: given[k] for k in from_limits})
         values["admission_window"] = _window_without_config(values)
@@ -199,6 +203,8 @@ def _config_values(cfg: RunConfig) -> dict[str, Any]:
         "admission_window": cfg.admission_window,
         "stages": list(cfg.stages()),
         "trainable": ["actor", "critic"] if cfg.algo.needs_critic else ["actor"],
+        "group_size": cfg.algo.group_size,
+        "dynamic_sampling_tol": cfg.algo.dynamic_sampling_tol,
     }
 
 

@@ -64,7 +64,7 @@ class ResourceLedger:
                 )
 
     def terminal(self, tid: str) -> None:
-        """`tid` ended (trained or dead); counted once however often the log says so."""
+        """`tid` ended (trained, dead or dropped); counted once however often the log says so."""
         if tid not in self.terminal_ids:
             self.terminal_ids.add(tid)
             if tid in self.admitted:

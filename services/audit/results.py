@@ -20,9 +20,12 @@ INVARIANT_NAMES: dict[int, str] = {
 }
 
 CHECKED: dict[int, str] = {
-    1: "every journal task ends trained or dead(reason) (in flight allowed while running); every task id"
-    " in any event has a journal record; dead events have a reason and match the journal",
-    2: "no task twice within or across trained events; event step == journal trained_step",
+    1: "every journal task ends trained, dead(reason) or dropped(reason) (in flight allowed while running);"
+    " every task id in any event has a journal record; dead and dropped events have a reason and match the"
+    " journal; a group dropped as all-equal had equal rewards in its reward record and was dropped whole, one"
+    " dropped as surplus was too stale for the next step",
+    2: "no task twice within or across trained events; event step == journal trained_step; every trained"
+    " step holds samples_per_step tasks in whole groups",
     3: "0 <= trained_version - generated_version <= max_staleness in journal records and trained events;"
     " journal and events agree on both versions",
     4: "version_served per service never decreases nor drops below a reported checkpoint; checkpoint"
@@ -39,6 +42,7 @@ _INVARIANT_OF_KIND: dict[str, int] = {
     "generated": 1,
     "scored": 1,
     "dead": 1,
+    "dropped": 1,
     "trained": 2,
     "checkpoint": 4,
     "version_served": 4,

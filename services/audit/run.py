@@ -10,6 +10,7 @@ from typing import Any
 
 import lmdb
 
+from services.audit.dropped import DropLedger
 from services.audit.journal_scan import JournalScan, scan_journal
 from services.audit.limits import AuditError, Limits, resolve_limits
 from services.audit.report import AuditReport
@@ -90,6 +91,7 @@ class _EventPass:
         self.tasks = TaskLedger(checks, lim)
         self.versions = VersionLedger(checks)
         self.resources = ResourceLedger(checks, lim, self.tasks.admitted_ids)
+        self.drops = DropLedger(checks, lim)
         self.kinds: Counter[str] = Counter()
         self.unknown_kinds: Counter[str] = Counter()
         self.run_finished = False
@@ -123,12 +125,19 @@ class _EventPass:
             tid = self.tasks.on_dead(ev)
             if tid is not None:
                 self.resources.terminal(tid)
+        elif ev.kind == "dropped":
+            ids = self.tasks.on_dropped(ev)
+            if ids is not None:
+                self.drops.on_dropped(ids, ev.fields["reason"])
+                for tid in ids:
+                    self.resources.terminal(tid)
         elif ev.kind == "trained":
             step = self.tasks.on_trained(ev)
             if step is not None:
                 for tid in step.task_ids:
                     self.resources.terminal(tid)
                 self.versions.on_trained(step.step, step.version)
+                self.drops.on_trained(step.step, step.task_ids)
         elif ev.kind == "version_served":
             self.versions.on_version_served(ev)
         elif ev.kind == "checkpoint":
@@ -156,7 +165,8 @@ def _audit(run_dir: Path, lim: Limits, j: Journal, warnings: list[str], finished
 
     finished, why = _finished(finished, p.run_finished, step_before_log, lim.max_steps)
     n_event_ids = len(p.tasks.event_ids)  # before the scan consumes them
-    scan = scan_journal(j, p.tasks, checks, finished, warnings)
+    scan = scan_journal(j, p.tasks, checks, finished, warnings, p.drops)
+    p.drops.finish(j)
     tasks_by_state = _journal_tallies(j, scan, checks, finished, n_event_ids, warnings)
     checks[2].stats["trained tasks (journal)"] = tasks_by_state["trained"]
     checks[2].stats["tasks in trained events"] = p.tasks.trained_ids

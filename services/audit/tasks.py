@@ -65,6 +65,10 @@ class TaskLedger:
     def on_scored(self, ev: Event) -> None:
         self._named(ev)
 
+    def on_dropped(self, ev: Event) -> list[str] | None:
+        """The dropped task ids, or None when the event is malformed."""
+        return self._named(ev)
+
     def on_dead(self, ev: Event) -> str | None:
         """The dead task's id, or None when the event is malformed."""
         tid, reason = ev.fields["task_id"], ev.fields["reason"]

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from services.controller.durable import DurableJournal
+from services.controller.sampling import check_bound
 from services.core import ids
 from services.core.config import RunConfig
 from services.core.events import EventLog
@@ -20,6 +21,8 @@ from services.core.journal import Journal, JournalFull, TaskSpec
 from services.core.metrics import ServiceMetrics
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.wire import message
+from services.core.worker import Rejected
+from services.rl.batch import Rollout
 from services.tasks.base import PromptError, Task
 from services.tasks.chat import encode_prompt
 
@@ -49,6 +52,26 @@ class Admission:
         c = self.cfg
         return [TaskSpec(tid, i, k, i)
                 for tid, i, k in ids.message_tasks(first, c.batch.prompts_per_message, c.algo.group_size)]
+
+    def check_rollout(self, rid: str, first: int, rollout: Rollout) -> None:
+        """A rollout may join only with what this run admitted: the tasks of its prompt batch, once
+        journaled, each in its prompt's group, at no version past the step being committed
+        (committed + 1: a later one was never trained, and would fail the staleness check when its
+        step commits). Raises `Rejected` (a dead letter naming the field) otherwise."""
+        pbid, specs = ids.batch_id(first), self.tasks(first)
+        if set(rollout.task_ids) != {t.task_id for t in specs}:
+            raise Rejected("unknown_tasks", f"rollout {rid!r} carries task ids that prompt batch {pbid!r} "
+                                            "did not admit")
+        committed = self.journal.step
+        newest = max([rollout.version, *(rollout.versions.tolist() if rollout.versions is not None else [])])
+        if newest > committed + 1:
+            raise Rejected("bad_version", f"rollout {rid!r}: version {newest} is ahead of the committed version"
+                                          f" {committed} + 1")
+        if self.journal.get(specs[0].task_id) is None:  # it would win over the batch's own, then never train
+            raise Rejected("unknown_tasks", f"rollout {rid!r}: prompt batch {pbid!r} was never admitted")
+        group = {t.task_id: t.group_id for t in specs}
+        if any(group[t] != g for t, g in zip(rollout.task_ids, rollout.group_ids.tolist(), strict=True)):
+            raise Rejected("bad_group_ids", f"rollout {rid!r}: group_ids do not name each task's prompt")
 
     def prompt_batch(self, first: int) -> pb.PromptBatch:
         """The message for the prompts starting at `first`, at the journal's committed version; its
@@ -85,10 +108,14 @@ class Admission:
         first = self.journal.cursor
         self.open = can and in_flight + per_msg <= c.admission_window
         self.metrics.admission_open.set(int(self.open))
-        # Dead tasks never train, so the run admits replacements for them.
-        usable = first * c.algo.group_size - self.journal.counts().get("dead", 0)
+        # Dead and dropped tasks never train, so the run admits replacements for them.
+        counts = self.journal.counts()
+        usable = first * c.algo.group_size - counts.get("dead", 0) - counts.get("dropped", 0)
         if not self.open or usable >= self.needed:
             return None
+        if c.algo.dynamic_sampling:
+            check_bound(self.journal, self.journal.step + 1, c.algo.group_size, c.batch.prompts_per_step,
+                        c.algo.dynamic_sampling_max_rounds)
         tasks = self.tasks(first)
         try:
             await asyncio.to_thread(self.journal.admit, tasks, first + c.batch.prompts_per_message)

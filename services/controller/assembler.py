@@ -4,6 +4,11 @@ Pure bookkeeping, no I/O: the controller feeds it what the journal and the strea
 rebuilds it from the journal after a restart. A prompt batch may be generated twice (redelivery
 after an actor crash); the first rollout recorded wins and scores for any other are ignored, so a
 task never counts twice.
+
+With dynamic sampling (`group_size` given) a step is made of groups, not whole batches: groups the
+filter dropped, and groups an earlier step took, leave their batch (`exclude`), and a step takes
+the first `samples_per_step` kept samples in dataset order, waiting for every batch admitted
+before them (`expect`), so the fleet picks exactly the groups the local loop picks.
 """
 
 from __future__ import annotations
@@ -19,27 +24,34 @@ from services.rl.batch import Rollout
 
 @dataclass
 class _Entry:
-    rollout_id: str
-    rollout: Rollout
     order: int  # dataset index of the batch's first prompt: steps consume batches in this order
+    rollout_id: str | None = None  # None: admitted, no rollout yet (`expect`)
+    rollout: Rollout | None = None
     scores: dict[str, torch.Tensor] = field(default_factory=dict)
     ready: bool = False  # every score in AND the journal says `scored`: a step may take it
+    gone: set[int] = field(default_factory=set)  # groups no longer in the run (dropped, trained)
 
 
 class StepAssembler:
-    def __init__(self, stages: Sequence[str], samples_per_step: int) -> None:
+    def __init__(self, stages: Sequence[str], samples_per_step: int, group_size: int | None = None) -> None:
         self.stages = list(stages)
         self.samples_per_step = samples_per_step
+        self.group_size = group_size  # set: steps are made of groups, in dataset order
         self._by_batch: dict[str, _Entry] = {}
         self._early: dict[str, dict[str, torch.Tensor]] = {}  # scores that beat their rollout here
 
+    def expect(self, prompt_batch_id: str, order: int) -> None:
+        """A batch was admitted: with group steps, no later batch may fill a step before it."""
+        self._by_batch.setdefault(prompt_batch_id, _Entry(order))
+
     def add_rollout(self, rollout_id: str, rollout: Rollout, order: int) -> bool:
         pb = prompt_batch_of(rollout_id)
-        if pb in self._by_batch:
+        e = self._by_batch.get(pb)
+        if e is not None and e.rollout is not None:
             return False
-        e = _Entry(rollout_id, rollout, order)
+        e = self._by_batch[pb] = e or _Entry(order)
+        e.rollout_id, e.rollout = rollout_id, rollout
         e.scores.update(self._early.pop(rollout_id, {}))
-        self._by_batch[pb] = e
         return True
 
     def add_score(self, rollout_id: str, stage: str, value: torch.Tensor) -> bool:
@@ -47,7 +59,7 @@ class StepAssembler:
         if stage not in self.stages:
             raise ValueError(f"score for stage {stage!r}, which this run does not use ({self.stages})")
         e = self._by_batch.get(prompt_batch_of(rollout_id))
-        if e is None:
+        if e is None or e.rollout_id is None:  # no rollout yet (at most `expect`ed): keep it for it
             early = self._early.setdefault(rollout_id, {})
             if stage in early:
                 return False
@@ -63,25 +75,51 @@ class StepAssembler:
         return e.rollout_id if e else None
 
     def rollout_of(self, prompt_batch_id: str) -> Rollout:
-        return self._by_batch[prompt_batch_id].rollout
+        r = self._by_batch[prompt_batch_id].rollout
+        assert r is not None, f"{prompt_batch_id} has no rollout yet"
+        return r
+
+    def scores_of(self, prompt_batch_id: str) -> dict[str, torch.Tensor]:
+        return self._by_batch[prompt_batch_id].scores
 
     def has_all_scores(self, prompt_batch_id: str) -> bool:
         e = self._by_batch.get(prompt_batch_id)
-        return e is not None and all(s in e.scores for s in self.stages)
+        return e is not None and e.rollout is not None and all(s in e.scores for s in self.stages)
+
+    def kept_groups(self, prompt_batch_id: str) -> list[int]:
+        """Groups of the batch still to be trained, in row order."""
+        e = self._by_batch.get(prompt_batch_id)
+        if e is None or e.rollout is None:
+            return []
+        return [g for g in dict.fromkeys(e.rollout.group_ids.tolist()) if g not in e.gone]
+
+    def exclude(self, prompt_batch_id: str, groups: Sequence[int]) -> None:
+        """Groups that left the run (dropped, or trained by a step): never taken again."""
+        e = self._by_batch.get(prompt_batch_id)
+        if e is not None:
+            e.gone.update(int(g) for g in groups)
+
+    def batches(self) -> list[str]:
+        """Every batch it knows, oldest first."""
+        return sorted(self._by_batch, key=lambda pb: self._by_batch[pb].order)
 
     def mark_ready(self, prompt_batch_id: str) -> None:
         e = self._by_batch.get(prompt_batch_id)
         if e is not None and self.has_all_scores(prompt_batch_id):
             e.ready = True
 
+    def is_ready(self, prompt_batch_id: str) -> bool:
+        e = self._by_batch.get(prompt_batch_id)
+        return e is not None and e.ready
+
     def complete(self) -> list[str]:
         """Batches a step may take, oldest first."""
-        return sorted((pb for pb, e in self._by_batch.items() if e.ready), key=lambda pb: self._by_batch[pb].order)
+        return [pb for pb in self.batches() if self._by_batch[pb].ready]
 
     def drop(self, prompt_batch_id: str) -> None:
         """Forget a batch (its tasks went dead, or a resumed step already holds it)."""
         e = self._by_batch.pop(prompt_batch_id, None)
-        if e is not None:
+        if e is not None and e.rollout_id is not None:
             self._early.pop(e.rollout_id, None)
 
     def pending(self) -> int:
@@ -90,10 +128,12 @@ class StepAssembler:
     def take_step(self) -> list[tuple[str, Rollout]] | None:
         """The oldest complete batches adding up to exactly one step, scores attached; None if not
         enough are complete yet. Batches are removed from the assembler when taken."""
+        if self.group_size is not None:
+            return self._take_groups(self.group_size)
         chosen: list[str] = []
         n = 0
         for pb in self.complete():
-            size = len(self._by_batch[pb].rollout)
+            size = len(self.rollout_of(pb))
             if n + size > self.samples_per_step:
                 break
             chosen.append(pb)
@@ -103,9 +143,43 @@ class StepAssembler:
         out = []
         for pb in chosen:
             e = self._by_batch.pop(pb)
+            assert e.rollout is not None and e.rollout_id is not None
             r = e.rollout
             r.rewards = e.scores.get("reward")
             r.ref_logprobs = e.scores.get("reference")
             r.values = e.scores.get("critic")
+            out.append((e.rollout_id, r))
+        return out
+
+    def _take_groups(self, group_size: int) -> list[tuple[str, Rollout]] | None:
+        """The first kept groups in dataset order making exactly one step; None while a batch
+        before them is not complete, or too few are kept. Taken groups leave their batch."""
+        need = self.samples_per_step // group_size
+        chosen: list[tuple[str, list[int]]] = []
+        n = 0
+        for pb in self.batches():
+            if n == need:
+                break
+            if not self._by_batch[pb].ready:
+                return None
+            take = self.kept_groups(pb)[: need - n]
+            if take:
+                chosen.append((pb, take))
+                n += len(take)
+        if n < need:
+            return None
+        out = []
+        for pb, groups in chosen:
+            e = self._by_batch[pb]
+            assert e.rollout is not None and e.rollout_id is not None
+            wanted = set(groups)
+            rows = [i for i, g in enumerate(e.rollout.group_ids.tolist()) if g in wanted]
+            r = e.rollout.select(rows)
+            idx = torch.tensor(rows, dtype=torch.long)
+            r.rewards, r.ref_logprobs, r.values = (
+                e.scores[s][idx] if s in e.scores else None for s in ("reward", "reference", "critic"))
+            e.gone |= wanted
+            if not self.kept_groups(pb):
+                self.drop(pb)
             out.append((e.rollout_id, r))
         return out

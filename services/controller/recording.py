@@ -64,7 +64,8 @@ class StepRecorder:
         self.file.append((json.dumps(row) + "\n").encode())
         if self.trackers is not None:
             self.trackers.log_row(row)
-        self.last = {k: row[k] for k in ("step", "reward_mean", "tokens_per_s", "staleness", "kl") if k in row}
+        self.last = {k: row[k] for k in ("step", "reward_mean", "tokens_per_s", "staleness", "kl", "dropped_groups",
+                                         "admitted_prompts") if k in row}
         m = self.metrics
         m.policy_version.set(version)
         m.staleness.set(staleness)

@@ -71,6 +71,8 @@ async def reconcile(ctl: Controller) -> None:
         pbid = ids.batch_id(first)
         ctl.progress[pbid] = time.monotonic()
         raw = await asyncio.to_thread(ctl.journal.get_result, pbid, ROLLOUT)
+        if ctl.sampling is not None:
+            ctl.assembler.expect(pbid, first)
         if raw is None:
             try:
                 await ctl.publish_prompts(ctl.admission.prompt_batch(first))

@@ -27,6 +27,7 @@ from services.controller.durable import DurableJournal
 from services.controller.evaluation import Evaluation
 from services.controller.recording import StepRecorder
 from services.controller.recovery import ROLLOUT
+from services.controller.sampling import FleetSampling
 from services.controller.trainables import Trainables
 from services.core import ids
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
@@ -85,7 +86,9 @@ class Controller:
             cfg, "controller", readiness=self.readiness, status=self.status, on_drain=self.on_drain)
         self.metrics = self.runtime.metrics
         self.admission = Admission(cfg, self.journal, self.durable, self.tokenizer, task, self.events, self.metrics)
-        self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step)
+        ds = cfg.algo.dynamic_sampling
+        self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step, cfg.algo.group_size if ds else None)
+        self.sampling = FleetSampling(self) if ds else None
         self.trainables = Trainables(cfg, self.trainable, self.journal, self.events, lambda: self.version)
         self.recorder = StepRecorder(cfg.run_dir / "metrics.jsonl", self.metrics, self.events, self.journal,
                                      trackers=Trackers(cfg, run_id=self.journal.run_id or cfg.run.name))
@@ -135,7 +138,8 @@ class Controller:
     async def status(self) -> dict[str, Any]:
         return {
             "step": self.journal.step, "max_steps": self.cfg.run.max_steps, "version": self.version,
-            "in_flight": self.journal.in_flight(), "admission_open": self.admission.open,
+            "in_flight": self.journal.in_flight(), "dropped": self.journal.counts()["dropped"],
+            "admission_open": self.admission.open,
             "done": self.done, "last": self.recorder.last, "queues": self.recorder.queues,
         }
 
@@ -184,6 +188,8 @@ class Controller:
                     batch, failed = None, bad
                 if batch is not None:
                     self.progress[batch.batch_id] = time.monotonic()
+                    if self.sampling is not None:  # a step takes no group of a later batch before it
+                        self.assembler.expect(batch.batch_id, _first_of(batch.batch_id))
             if failed is not None:
                 await self.bad_prompts(failed)
                 continue
@@ -215,10 +221,7 @@ class Controller:
         rid = rbm.batch_id
         pbid = ids.prompt_batch_of(rid)
         first = _first_of(pbid)
-        expected = {t.task_id for t in self.admission.tasks(first)}
-        if set(rollout.task_ids) != expected:
-            raise Rejected("unknown_tasks", f"rollout {rid!r} carries task ids that prompt batch {pbid!r} "
-                                            "did not admit")
+        await asyncio.to_thread(self.admission.check_rollout, rid, first, rollout)
         # First rollout of a prompt batch wins; a regenerated duplicate is dropped.
         if not await self.durable(self.journal.put_result_if_absent, pbid, ROLLOUT, msg.data):
             return
@@ -255,11 +258,14 @@ class Controller:
             task_ids = [t.task_id for t in self.admission.tasks(_first_of(pbid))]
             recs = [await asyncio.to_thread(self.journal.get, i) for i in task_ids]
             states = {r.state for r in recs if r is not None}
-            if states & {"dead", "trained"}:
+            ended = {"dead"} if self.sampling is not None else {"dead", "trained"}
+            if states & ended or (states and all(r is not None and r.is_terminal for r in recs)):
                 # Its tasks already ended (a stage dead-lettered the batch): the join forgets it.
                 self.assembler.drop(pbid)
                 self.progress.pop(pbid, None)
                 return
+            # With dynamic sampling a batch's groups end one by one (dropped, or trained by a step).
+            self.assembler.exclude(pbid, [r.group_id for r in recs if r is not None and r.is_terminal])
             if "admitted" in states:
                 await self.durable(self.journal.mark_generated, task_ids, version, rid)
                 self.events.emit("generated", task_ids=task_ids, version=version)
@@ -268,6 +274,8 @@ class Controller:
                     for stage in self.stages:
                         await self.durable(self.journal.mark_stage_done, task_ids, stage)
                     self.events.emit("scored", task_ids=task_ids)
+                if self.sampling is not None:
+                    await self.sampling.judge(pbid)
                 # Only now may a step take it: its tasks are `scored` in the journal.
                 self.assembler.mark_ready(pbid)
 
@@ -327,9 +335,16 @@ class Controller:
         batch = parse_message(pb.TrainBatch, raw, max_bytes=self.cfg.flow.max_message_bytes)
         r = validate_rollout_batch(batch.rollout, self.cfg.flow.max_message_bytes)
         per_msg = self.cfg.batch.prompts_per_message
-        for first in sorted({ids.first_of_message(ids.parse_task_id(t)[0], per_msg) for t in r.task_ids}):
-            self.assembler.drop(ids.batch_id(first))
-            self.progress.pop(ids.batch_id(first), None)
+        groups: dict[int, set[int]] = {}
+        for t in r.task_ids:
+            index = ids.parse_task_id(t)[0]
+            groups.setdefault(ids.first_of_message(index, per_msg), set()).add(index)
+        for first, taken in sorted(groups.items()):
+            pbid = ids.batch_id(first)
+            self.assembler.exclude(pbid, sorted(taken))  # group id == dataset index
+            if self.sampling is None or not self.assembler.kept_groups(pbid):
+                self.assembler.drop(pbid)
+                self.progress.pop(pbid, None)
         log.info("resuming a journaled step", extra={"step": int(batch.step) + 1})
         await self._commit_step(batch, r, stats={"resumed": 1.0}, t0=time.perf_counter())
 
@@ -368,6 +383,9 @@ class Controller:
                 await self.durable(self.journal.set_version, name, target)
             self.events.emit("trained", step=done_step, task_ids=r.task_ids, version=target - 1,
                              generated_versions=gen_versions)
+            if self.sampling is not None:
+                await self.sampling.after_commit()
+                stats.update(self.sampling.step_stats(done_step))
         await fault_point(run_dir, "journal_committed", done_step)
         for res in results:
             stats.update({k: float(v) for k, v in res.stats.items()})

@@ -334,8 +334,11 @@ class RunConfig(_Strict):
     @property
     def admission_window(self) -> int:
         """The most tasks in flight (admitted, not yet trained or dead): the staleness budget. With
-        `flow.max_staleness` n, generation may run up to n steps ahead of training."""
-        return (self.flow.max_staleness + 1) * self.samples_per_step
+        `flow.max_staleness` n, generation may run up to n steps ahead of training. Dynamic sampling
+        adds one message less one group: the controller then admits while fewer groups are in flight
+        than the steps need, so a step that is one kept group short can always admit its next message."""
+        extra = (self.batch.prompts_per_message - 1) * self.algo.group_size if self.algo.dynamic_sampling else 0
+        return (self.flow.max_staleness + 1) * self.samples_per_step + extra
 
     def stages(self) -> list[ServiceName]:
         """Scoring stages this algorithm needs; a stage that is not needed is never started."""

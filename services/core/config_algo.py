@@ -17,8 +17,9 @@ GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp_baseline
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     # Dr. GRPO (Liu et al. 2025): no std normalisation, constant loss normaliser.
     "dr_grpo": {"norm_std": False, "loss_agg": "seq_mean_token_sum_norm"},
-    # DAPO (Yu et al. 2025): clip-higher (0.2 / 0.28), token-level loss, soft overlong punishment.
-    "dapo": {"clip_eps_high": 0.28, "loss_agg": "token_mean"},
+    # DAPO (Yu et al. 2025): clip-higher (0.2 / 0.28), token-level loss, soft overlong punishment,
+    # dynamic sampling.
+    "dapo": {"clip_eps_high": 0.28, "loss_agg": "token_mean", "dynamic_sampling": True},
     # GSPO (Zheng et al. 2025): sequence-level ratio, clipped at 3e-4 / 4e-4, sequence-mean loss.
     "gspo": {"clip_eps": 3e-4, "clip_eps_high": 4e-4, "loss_agg": "seq_mean_token_mean"},
 }
@@ -55,6 +56,18 @@ class AlgoSection(_Strict):
     linearly, up to `overlong_penalty_factor` at max_new_tokens. null: off (dapo: a quarter of the
     generation budget)."""
     overlong_penalty_factor: Annotated[float, Field(ge=0)] = 1.0
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (eq. 11): a group whose rewards (the reward stage's scores, before
+    overlong shaping and KL) are all equal within `dynamic_sampling_tol` is dropped, never trained,
+    and more prompts are admitted until the step has batch.prompts_per_step kept groups. On by
+    default for dapo; needs a group algorithm."""
+    dynamic_sampling_tol: Annotated[float, Field(ge=0)] = 1e-6
+    """Rewards of one group closer than this (max - min) count as equal."""
+    dynamic_sampling_max_rounds: Annotated[int, Field(ge=1)] = 10
+    """Bound on dynamic sampling (the role of verl's max_num_gen_batches): one step may drop at most
+    this many times batch.prompts_per_step groups as all-equal. A step that reaches it without its
+    batch stops the run with an error naming this field, instead of sampling forever (the data is
+    too easy or too hard for the policy)."""
     entropy_coef: Annotated[float, Field(ge=0)] = 0.0
     ppo_epochs: Annotated[int, Field(ge=1)] = 1
     minibatch_size: Annotated[int, Field(ge=1)] = 32
@@ -102,6 +115,9 @@ class AlgoSection(_Strict):
             raise ValueError("micro_batch_size and micro_batch_tokens exclude each other: set one, the other 0")
         if self.pack_sequences and not self.micro_batch_tokens:
             raise ValueError("pack_sequences needs micro_batch_tokens > 0 (the token budget of a packed micro-batch)")
+        if self.dynamic_sampling and self.name not in GROUP_ALGOS:
+            raise ValueError(f"dynamic_sampling compares the responses of one prompt, which {self.name} does not"
+                             f" sample as a group; use one of {', '.join(GROUP_ALGOS)}")
         return self
 
     @property

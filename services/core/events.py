@@ -42,6 +42,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "checkpoint": ("service", "version", "step"),
     "version_served": ("service", "version"),
     "dead": ("task_id", "reason"),
+    "dropped": ("task_ids", "reason", "step"),
     "resources": ("queue_depths", "rss_bytes", "disk_bytes"),
 }
 _RESERVED = ("ts", "kind")

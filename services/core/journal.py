@@ -1,7 +1,8 @@
 """The controller's task journal: one LMDB environment, the run's source of truth.
 
 Redis is transport; this journal is truth. It holds every task's state
-(`admitted → generated → scored → trained`, or `dead(reason)`), the dataset cursor, the step
+(`admitted → generated → scored → trained`, or `dead(reason)`, or `scored → dropped(reason)` by
+dynamic sampling), the dataset cursor, the step
 counter, each trainable service's policy version and checkpoint step, the training batches a
 restarted actor or critic must replay, and put-if-absent stage results.
 
@@ -10,7 +11,9 @@ Layout (named sub-databases of one environment, so one write transaction spans a
     tasks    task_id               -> TaskRecord as compact JSON (never pickle)
     live     task_id               -> b""  index of non-terminal tasks (crash reconciliation)
     meta     b"cursor", b"step", b"run_id", b"schema",
-             b"version:<service>", b"ckpt:<service>", b"count:<state>"
+             b"version:<service>", b"ckpt:<service>", b"count:<state>",
+             b"prompts:<step>" (prompts admitted while <step> was the next step),
+             b"dropped:<kind>:<step>" (tasks dynamic sampling dropped, per kind, for <step>)
     batches  step (8-byte big-endian, so byte order == numeric order) -> opaque TrainBatch bytes
     results  <id> NUL <stage>      -> opaque bytes, written put-if-absent
 
@@ -41,6 +44,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.core.journal_dropped import JournalDropped
 from services.core.journal_replay import JournalReplay
 from services.core.lmdb_store import LmdbStore
 from services.core.task_records import (
@@ -73,7 +77,7 @@ T = TypeVar("T")
 _DB_NAMES = (b"tasks", b"live", b"meta", b"batches", b"results")
 
 
-class Journal(JournalReplay, LmdbStore):
+class Journal(JournalDropped, JournalReplay, LmdbStore):
     """The task journal. Create with `Journal.open(path)`; every method is synchronous."""
 
     kind = "journal"
@@ -222,6 +226,10 @@ class Journal(JournalReplay, LmdbStore):
                 txn.put(key, b"", db=self._dbs[b"live"])
                 new += 1
             self._bump(txn, TaskState.ADMITTED, new)
+            prompts = len({t.dataset_index for t in tasks})
+            if new:
+                key = b"prompts:%d" % (step + 1)
+                self._put_int(txn, key, self._get_int(txn, key) + prompts)
             self._put_int(txn, b"cursor", cursor)
             return new
 
@@ -387,7 +395,7 @@ class Journal(JournalReplay, LmdbStore):
         return self._read(fn)
 
     def in_flight(self) -> int:
-        """Admitted but not yet trained or dead: what admission control bounds."""
+        """Admitted but not yet trained, dead or dropped: what admission control bounds."""
         c = self.counts()
         return c["admitted"] + c["generated"] + c["scored"]
 

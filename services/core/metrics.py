@@ -146,6 +146,12 @@ class ServiceMetrics:
             "rlfleet_dead_letters", "Messages moved to the dead-letter stream", ["reason"], registry=r
         )
         self.ready = Gauge("rlfleet_ready", "1 while the service reports ready", registry=r)
+        # Dynamic sampling (controller): groups left out of training, by kind (filtered, surplus),
+        # and the prompts the last step admitted to fill its batch.
+        self.dropped_groups = Counter(
+            "rlfleet_dropped_groups", "Groups dynamic sampling left out of training", ["kind"], registry=r
+        )
+        self.step_prompts = Gauge("rlfleet_step_admitted_prompts", "Prompts admitted for the last step", registry=r)
 
         # Filled by services.core.gpu.GpuMonitor where NVML finds a GPU; absent otherwise.
         self.gpu_utilization = Gauge(

@@ -41,17 +41,21 @@ class TaskState(StrEnum):
     SCORED = "scored"
     TRAINED = "trained"
     DEAD = "dead"
+    # Scored, then left out of training on purpose (dynamic sampling), with a reason: not a failure.
+    DROPPED = "dropped"
 
 
-TERMINAL_STATES: frozenset[TaskState] = frozenset({TaskState.TRAINED, TaskState.DEAD})
+TERMINAL_STATES: frozenset[TaskState] = frozenset({TaskState.TRAINED, TaskState.DEAD, TaskState.DROPPED})
 # Forward edges only. Re-entering the current state is a no-op handled separately (redelivery),
 # except `trained`, which `mark_trained` refuses to repeat (exactly-once).
 NEXT: dict[TaskState, frozenset[TaskState]] = {
     TaskState.ADMITTED: frozenset({TaskState.GENERATED, TaskState.DEAD}),
     TaskState.GENERATED: frozenset({TaskState.SCORED, TaskState.DEAD}),
-    TaskState.SCORED: frozenset({TaskState.TRAINED, TaskState.DEAD}),
+    # Only a scored task can be dropped: the filter judges a group once all its scores are in.
+    TaskState.SCORED: frozenset({TaskState.TRAINED, TaskState.DEAD, TaskState.DROPPED}),
     TaskState.TRAINED: frozenset(),
     TaskState.DEAD: frozenset(),
+    TaskState.DROPPED: frozenset(),
 }
 
 
@@ -79,6 +83,7 @@ class TaskRecord:
     trained_version: int | None = None
     stages_done: frozenset[str] = frozenset()
     reason: str | None = None
+    dropped_step: int | None = None  # the step a dropped task was judged for
     # Wall-clock time each state was entered, keyed by state name (latency per stage, audit).
     timestamps: dict[str, float] = field(default_factory=dict)
 
@@ -96,7 +101,7 @@ class TaskRecord:
             "admitted_step": self.admitted_step,
         }
         # Unset fields are omitted: records stay small and the schema can grow without migrations.
-        for name in ("batch_id", "generated_version", "trained_step", "trained_version", "reason"):
+        for name in ("batch_id", "generated_version", "trained_step", "trained_version", "reason", "dropped_step"):
             v = getattr(self, name)
             if v is not None:
                 d[name] = v
@@ -121,6 +126,7 @@ class TaskRecord:
             trained_version=d.get("trained_version"),
             stages_done=frozenset(d.get("stages_done", ())),
             reason=d.get("reason"),
+            dropped_step=d.get("dropped_step"),
             timestamps=dict(d.get("timestamps", {})),
         )
 

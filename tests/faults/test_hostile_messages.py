@@ -11,6 +11,7 @@ before any of the run's own traffic, however fast the run goes, and nothing can 
 from __future__ import annotations
 
 import math
+import re
 import struct
 import threading
 from pathlib import Path
@@ -162,6 +163,16 @@ def _hostile() -> list[tuple[str, str, bytes, str]]:
     return out
 
 
+def _for_the_controller() -> list[tuple[str, bytes, str]]:
+    """Rollouts of batches this run admits later (b8 and b12: at first only b0 and b4 fit the
+    window), well-formed and inside the run's versions, that only the controller, which knows the
+    committed version and what it admitted, can refuse: (batch id, payload, the reason it gives)."""
+    ahead = _rollout_msg(8, "ahead", version=3)  # the controller has committed no version yet
+    early = _rollout_msg(12, "early", _rollout(12))  # would win over b12's own rollout, then never train
+    return [(ahead.batch_id, ahead.SerializeToString(), r"version 3 is ahead of the committed version [01] \+ 1"),
+            (early.batch_id, early.SerializeToString(), r"prompt batch 'b12' was never admitted")]
+
+
 def _stale_run(r: redis.Redis, cfg: RunConfig) -> None:
     """What an earlier run of the same name left in a persistent Redis: a prompt batch for the first
     dataset indices at a version this run has not committed, and that run's versions."""
@@ -180,6 +191,9 @@ def test_hostile_messages_are_dead_lettered_naming_the_field_and_the_run_complet
     hostile = _hostile()
     for stream, bid, data, _ in hostile:
         r.xadd(f"rlfleet:{cfg.run.name}:{stream}", {"data": data, "kind": stream, "batch_id": bid})
+    controller_only = _for_the_controller()
+    for bid, data, _ in controller_only:
+        r.xadd(f"rlfleet:{cfg.run.name}:rollouts", {"data": data, "kind": "rollout", "batch_id": bid})
     fleet: Fleet = fleet_factory(cfg, restart_budget=3)
     fleet.start(ready_timeout_s=240)
     result: list[Any] = []
@@ -207,6 +221,9 @@ def test_hostile_messages_are_dead_lettered_naming_the_field_and_the_run_complet
             if not any(field in why for why in reasons):
                 missing.append(f"{stream} {bid} in group {group}: want {field!r}, got {reasons}")
     assert not missing, "\n".join(missing)
+    for bid, _, want in controller_only:
+        reasons = dead.get(("controller", bid), [])
+        assert any(re.search(want, why) for why in reasons), f"{bid}: want {want!r}, got {reasons}"
     stale = dead.get(("actor", "b0"), [])
     assert any("version" in why and "ahead" in why for why in stale), f"stale prompt batch: {stale}"
 

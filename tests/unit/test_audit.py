@@ -180,7 +180,7 @@ def test_clean_finished_run_passes_every_invariant(run: Run, capsys: pytest.Capt
 
     report = audit(run.dir)
     assert report.ok and report.finished
-    assert report.tasks_by_state == {"admitted": 0, "generated": 0, "scored": 0, "trained": 12, "dead": 2}
+    assert report.tasks_by_state == {"admitted": 0, "generated": 0, "scored": 0, "trained": 12, "dead": 2, "dropped": 0}
     assert report.steps == {"journal": 3, "trained events": 3, "metrics": 3, "run.max_steps": 3}
     assert report.check(3).stats["staleness histogram"] == {0: 8, 1: 4}
     assert report.limits.queue_limit("rollouts") == ROLLOUTS_LIMIT
@@ -306,7 +306,7 @@ def test_repeated_step_in_the_log_fails(run: Run) -> None:
     run.full_step()
     run.ev.emit("trained", step=1, task_ids=[], version=0, generated_versions=[])
     report = run.audit(finished=False)
-    assert failed(report) == {4: {"step_repeat": 1}}
+    assert failed(report) == {2: {"partial_batch": 1}, 4: {"step_repeat": 1}}  # an empty step is no full batch
 
 
 def test_queue_depth_over_the_bound_fails_bounded_resources(run: Run, capsys: pytest.CaptureFixture[str]) -> None:

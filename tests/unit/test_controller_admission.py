@@ -99,3 +99,30 @@ def test_dead_tasks_are_replaced_and_admission_stops_when_the_run_has_enough(mak
     a.events.close()
     admitted = [e for e in iter_events(a.cfg.run_dir / "events.jsonl") if e.kind == "admitted"]
     assert [e.fields["cursor"] for e in admitted] == [0, 2, 4]
+
+
+def test_with_dynamic_sampling_dropped_groups_are_replaced_until_the_bound_then_admission_refuses(
+    make: Any
+) -> None:
+    from services.rl.dynamic_sampling import DynamicSamplingExhausted
+
+    a = make(algo={"name": "dapo", "group_size": 2, "dynamic_sampling_max_rounds": 1})
+    assert a.cfg.admission_window == 8 + 2  # one message less one group on top of the step's 8 tasks
+    assert [admit(a).batch_id, admit(a).batch_id, admit(a)] == ["b0", "b2", None]
+    ids = [t.task_id for t in a.tasks(0)]
+    a.journal.mark_generated(ids, 0, "b0:x")
+    a.journal.mark_stage_done(ids, "reward")
+    # One all-equal group out: 6 live tasks + a message of 4 fit the window of 10.
+    a.journal.mark_dropped(ids[:2], "filtered: all rewards equal (1)", step=1, kind="filtered")
+    assert admit(a).batch_id == "b4" and a.journal.prompts_for(1) == 6
+    assert admit(a) is None  # 10 live tasks: the window is full
+    # Every group of b0 dropped: the 4 groups of b2 and b4 may still fill the step, so nothing more.
+    a.journal.mark_dropped(ids[2:], "filtered: all rewards equal (0)", step=1, kind="filtered")
+    assert admit(a) is None
+    rest = [t.task_id for f in (2, 4) for t in a.tasks(f)]
+    a.journal.mark_generated(rest, 0, "b2:x")
+    a.journal.mark_stage_done(rest, "reward")
+    # b2 dropped too: 4 groups, the bound (max_rounds 1 x 4 prompts); the step would need more.
+    a.journal.mark_dropped(rest[:4], "filtered: all rewards equal (1)", step=1, kind="filtered")
+    with pytest.raises(DynamicSamplingExhausted, match="step 1 dropped 4 groups"):
+        admit(a)

@@ -100,7 +100,7 @@ def test_task_walks_admitted_generated_scored_trained(j: Journal) -> None:
     )
     assert rec.stages_done == {"reward"}
     assert set(rec.timestamps) == {"admitted", "generated", "scored", "trained"}
-    assert j.counts() == {"admitted": 0, "generated": 0, "scored": 0, "trained": 2, "dead": 0}
+    assert j.counts() == {"admitted": 0, "generated": 0, "scored": 0, "trained": 2, "dead": 0, "dropped": 0}
     assert j.step == 1
     assert j.get("never-admitted") is None
 
@@ -520,7 +520,7 @@ def test_full_filesystem_raises_journal_full_then_recovers_when_space_returns(sm
     with Journal.open(path) as jr:
         assert jr.get_batch(1000) == b"after"
         assert jr.batches_after(0)[: len(written)] == sorted(written.items())
-        assert jr.counts() == {"admitted": 2, "generated": 0, "scored": 8, "trained": 0, "dead": 0}
+        assert jr.counts() == {"admitted": 2, "generated": 0, "scored": 8, "trained": 0, "dead": 0, "dropped": 0}
 
 
 def test_disk_free_bytes_and_has_space(j: Journal) -> None:
@@ -584,7 +584,7 @@ def test_non_terminal_lists_exactly_the_non_terminal_tasks(tmp_path: Path) -> No
         assert jr.in_flight() == 3
     with Journal.open(path, sync=False) as jr:  # what reconciliation sees after a restart
         assert [r.task_id for r in jr.non_terminal()] == t[:3]
-        assert jr.counts() == {"admitted": 1, "generated": 1, "scored": 1, "trained": 1, "dead": 1}
+        assert jr.counts() == {"admitted": 1, "generated": 1, "scored": 1, "trained": 1, "dead": 1, "dropped": 0}
 
 
 def test_iter_tasks_pages_through_every_task(j: Journal, monkeypatch: pytest.MonkeyPatch) -> None:
