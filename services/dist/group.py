@@ -183,11 +183,11 @@ class RankGroup:
                 info.alive = False
                 out.append(info.rank)
         if self.nodes is not None:
+            # By the layout, not self.ranks: a node that dies while the group forms has no rows yet.
             gone = set(self.nodes.dead())
             for info in self.ranks:
-                if info.node in gone:
-                    info.alive = False
-                    out.append(info.rank)
+                info.alive = info.alive and info.node not in gone
+            out += [r for k in sorted(gone) for r in self.layout.ranks_of(k)]
         return out
 
     @property

@@ -185,7 +185,6 @@ class NodeWatch:
 
     def dead(self) -> list[int]:
         """Worker nodes that exited (their own word) or whose heartbeat stopped."""
-        now = time.monotonic()
         for k in self.remote:
             if k in self.why:
                 continue
@@ -197,6 +196,9 @@ class NodeWatch:
             except Exception as err:  # rank 0's own store failing: nothing can be trusted
                 self.why[k] = f"store unreadable: {err}"[:300]
                 continue
+            # The clock is read after the store: a read that waited behind another thread's store call
+            # (the group's rendezvous) must not date the beat it returns back to before the wait.
+            now = time.monotonic()
             last, since = self.beats.get(k, (-1, now))
             if beat != last:
                 self.beats[k] = (beat, now)
