@@ -36,6 +36,7 @@ from services.core.wire import TrainRequest, WireError, check_schema_version, me
 from services.core.worker import Rejected, StreamWorker
 from services.dist.build import build_model, build_trainer
 from services.dist.group import RankGauges, RankGroup
+from services.dist.nodes import world_size
 from services.dist.protocol import RankError
 from services.models.engine import EngineError, SamplingParams, completions_to_rollout
 from services.models.factory import make_engine
@@ -55,7 +56,7 @@ class Actor:
         self.tokenizer = load_tokenizer(path)
         # Several trainer ranks: this process is rank 0 of a group it starts here, on the main
         # thread (followers die with the thread that started them).
-        self.ranks = RankGroup(cfg, "actor") if cfg.endpoint("actor").trainer_ranks > 1 else None
+        self.ranks = RankGroup(cfg, "actor") if world_size(cfg, "actor") > 1 else None
         if self.ranks is not None:
             self.policy, trainer = self.ranks.trainer.model, self.ranks.trainer.trainer
         else:

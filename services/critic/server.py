@@ -17,6 +17,7 @@ from services.core.trainable import Trainable
 from services.core.wire import TrainRequest
 from services.dist.build import build_model, build_trainer
 from services.dist.group import RankGauges, RankGroup
+from services.dist.nodes import world_size
 from services.dist.protocol import Op, RankError
 from services.models.critic import ValueModel
 from services.rl.batch import Rollout
@@ -28,7 +29,7 @@ class Critic:
         assert cfg.models.policy.path is not None, "the launcher resolves models.policy.path"
         self.cfg = cfg
         # Several trainer ranks: this process is rank 0 of a group it starts here (main thread).
-        self.ranks = RankGroup(cfg, "critic") if cfg.endpoint("critic").trainer_ranks > 1 else None
+        self.ranks = RankGroup(cfg, "critic") if world_size(cfg, "critic") > 1 else None
         if self.ranks is not None:
             model, trainer = self.ranks.trainer.model, self.ranks.trainer.trainer
         else:

@@ -2,19 +2,18 @@
 rank at once. The service process is rank 0 and keeps speaking gRPC, HTTP and Redis.
 
 Followers die with rank 0 (PR_SET_PDEATHSIG, and their store wait sees rank 0 go), so a killed
-service leaves no orphans. A follower that dies, or a collective that fails or outlasts the
-timeout, marks the group broken: `alive` turns false and the service stops so its supervisor
-restarts it, ranks and all (a dead rank is a dead service)."""
+service leaves no orphans. Over several hosts (RLFLEET_DIST_NODES > 1, `nodes`) rank 0 starts only
+its own host's followers and waits for the other hosts' `services.dist.node` to join its store.
+A follower or node that dies, or a collective that fails or outlasts the timeout, marks the
+group broken: `alive` turns false and the service stops so its supervisor restarts it, ranks
+and all (a dead rank is a dead service)."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from prometheus_client import CollectorRegistry, Gauge
 from safetensors import safe_open
 
 from services.core.config import RunConfig, ServiceName
+from services.dist.follower import spawn
+from services.dist.nodes import START_KEY, Layout, NodeWatch, layout_for, master_store, publish_layout
 from services.dist.ops import RankTrainer, check_names
 from services.dist.protocol import Command, Op, RankError, announce
 from services.models.checkpoint import CheckpointMeta
@@ -36,20 +37,11 @@ from services.models.engine import WeightSyncError
 
 log = logging.getLogger("rlfleet.dist")
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec. The signal fires when the thread that forked exits,
-    # so the group is started from the service's main thread, which lives as long as the service.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 @dataclass
 class RankInfo:
     rank: int
-    pid: int
+    pid: int  # on its own host
+    node: int = 0
     alive: bool = True
     step_seconds: float = 0.0
     memory_bytes: int = 0
@@ -75,30 +67,34 @@ class RankGauges:
 
 
 class RankGroup:
-    def __init__(self, cfg: RunConfig, service: ServiceName) -> None:
+    def __init__(self, cfg: RunConfig, service: ServiceName, layout: Layout | None = None) -> None:
         ep = cfg.endpoint(service)
-        self.service, self.world = service, ep.trainer_ranks
+        self.layout = layout or layout_for(cfg, service)
+        self.service, self.world = service, self.layout.world
         self.timeout = timedelta(seconds=cfg.flow.rpc_timeout_s)
         backend = "nccl" if ep.device.startswith("cuda") and torch.cuda.is_available() else "gloo"
-        self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, timeout=self.timeout,
-                                   wait_for_workers=False)
-        port = self.store.port
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "services.dist.follower", "--service", service, "--rank", str(r),
-                 "--world", str(self.world), "--port", str(port), "--backend", backend,
-                 "--timeout-s", str(cfg.flow.rpc_timeout_s)],
-                preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL,
-                # c10d logs every idle store poll as a warning; errors still reach the log.
-                env={**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")})
-            for r in range(1, self.world)
-        ]
-        self.ranks = [RankInfo(0, os.getpid()), *(RankInfo(r, p.pid) for r, p in enumerate(self.procs, 1))]
+        # One host: a loopback store on a free port. Several: the fixed port, on every interface.
+        multi = self.layout.multi_node
+        self.store = master_store("" if multi else "127.0.0.1", self.layout.store_port, self.timeout)
+        self.nodes = NodeWatch(self.store, self.layout) if multi else None
         self.broken: str | None = None
         self.seq = 0
         self.lock = threading.Lock()  # one command at a time, whichever thread sends it
-        log.info("trainer ranks starting", extra={"service": service, "world": self.world, "backend": backend})
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.ranks = [RankInfo(0, os.getpid())]
+        log.info("trainer ranks starting", extra={"service": service, "world": self.world, "backend": backend,
+                                                  "nodes": self.layout.nodes})
+        if self.nodes is not None:
+            publish_layout(self.store, self.layout, service, backend, cfg.flow.rpc_timeout_s)
+            self.nodes.wait_joined(service)
+            self.store.set(START_KEY, "1")
+        self.procs = [spawn(service, r, r, self.world, "127.0.0.1", self.store.port, backend, cfg.flow.rpc_timeout_s)
+                      for r in range(1, self.layout.local)]
+        self.ranks += [RankInfo(r, p.pid) for r, p in enumerate(self.procs, 1)]
         self._join(backend)
+        if self.nodes is not None:
+            for k, pids in self.nodes.pids().items():
+                self.ranks += [RankInfo(r, pid, node=k) for r, pid in zip(self.layout.ranks_of(k), pids, strict=True)]
         dist.broadcast_object_list([cfg.model_dump(mode="json")], src=0)
         self.trainer = RankTrainer(cfg, service)
 
@@ -180,11 +176,18 @@ class RankGroup:
 
     # -- health ----------------------------------------------------------------------------------
     def dead(self) -> list[int]:
+        """Dead ranks: local followers that exited, and every rank of a worker node that died."""
         out = []
-        for info, p in zip(self.ranks[1:], self.procs, strict=True):
+        for info, p in zip(self.ranks[1:], self.procs, strict=False):
             if p.poll() is not None:
                 info.alive = False
                 out.append(info.rank)
+        if self.nodes is not None:
+            # By the layout, not self.ranks: a node that dies while the group forms has no rows yet.
+            gone = set(self.nodes.dead())
+            for info in self.ranks:
+                info.alive = info.alive and info.node not in gone
+            out += [r for k in sorted(gone) for r in self.layout.ranks_of(k)]
         return out
 
     @property
@@ -194,14 +197,17 @@ class RankGroup:
     def why_dead(self) -> str:
         dead = self.dead()
         if dead:
-            codes = ", ".join(f"rank {r} exit {self.procs[r - 1].returncode}" for r in dead)
-            return f"{self.service} trainer rank(s) died ({codes}); the service stops so that it is restarted"
+            local = [f"rank {r} exit {self.procs[r - 1].returncode}" for r in dead if r < self.layout.local]
+            nodes = [f"node {k}: {why}" for k, why in sorted(self.nodes.why.items())] if self.nodes else []
+            return (f"{self.service} trainer rank(s) died ({', '.join(local + nodes)}); the service stops so that it"
+                    " is restarted")
         return self.broken or "trainer ranks alive"
 
     def status(self) -> list[dict[str, Any]]:
         self.dead()
         return [{"rank": r.rank, "pid": r.pid, "alive": r.alive, "step_seconds": round(r.step_seconds, 3),
-                 "memory_bytes": r.memory_bytes} for r in self.ranks]
+                 "memory_bytes": r.memory_bytes, **({"node": r.node} if self.nodes is not None else {})}
+                for r in self.ranks]
 
     def stop(self, grace_s: float = 10.0) -> None:
         """STOP the followers when the group works, then make sure every one is gone."""

@@ -35,10 +35,11 @@ log = logging.getLogger("rlfleet.dist")
 class RankTrainer:
     """One rank's sharded model and trainer (an initialised default process group required)."""
 
-    def __init__(self, cfg: RunConfig, service: ServiceName) -> None:
+    def __init__(self, cfg: RunConfig, service: ServiceName, local_rank: int = 0) -> None:
         self.cfg, self.service = cfg, service
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = rank_device(cfg.endpoint(service).device, self.rank)
+        # Global rank node x local + local rank; the device is the local rank's, on its own host.
+        self.device = rank_device(cfg.endpoint(service).device, local_rank)
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
         model = build_model(cfg, service, self.device)

@@ -2,8 +2,9 @@
 (waited on without a deadline, so an idle trainer never times out), then the command itself by
 `broadcast_object_list`, whose collective timeout bounds a rank that hangs.
 
-Commands are pickled, which is safe here and nowhere else: they only travel between the
-processes of one service over its private loopback store, never from the network."""
+Commands are pickled, which is safe here and nowhere else: they only travel between the ranks
+of one service, over a loopback store on one host; over several hosts the store's port must be
+reachable from the group's own hosts only (deploy/README.md, "Beyond one host")."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ loss units (masked tokens for `token_mean`, non-empty responses otherwise). Ever
 whole batch and draws the same minibatch permutation; rank r takes the r-th contiguous slice of
 each minibatch's rows, cuts it the same way and weights each piece by its share of the *global*
 minibatch, times the number of ranks: FSDP2 averages the gradients over the ranks (gloo has no
-pre-multiplied sum to make it add them), so the average of the scaled shares is their sum. Ranks with fewer pieces run weight-0
-pieces so that every rank runs the same number of forwards and backwards: FSDP's collectives
-must line up or they hang.
+pre-multiplied sum to make it add them), so the average of the scaled shares is their sum. Ranks
+with fewer pieces run weight-0 pieces so that every rank runs the same number of forwards and
+backwards: FSDP's collectives must line up or they hang.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from services.rl.batch import Rollout
 from services.core.config import AlgoSection
+from services.rl.batch import Rollout
 from services.rl.micro import MicroBatch
 from services.rl.trainer import SplitFn, micro_plan
+
 
 def rank_split(rank: int, world: int) -> SplitFn:
     """The `split` of rank `rank` of `world` (see the module doc)."""

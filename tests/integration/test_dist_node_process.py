@@ -1,0 +1,97 @@
+"""`python -m services.dist.node` as a process against a real rank 0 store: it starts its host's
+rank once the leader starts the group, stops it on SIGTERM (and tells rank 0), and exits non-zero,
+taking its rank along, when the leader is killed (so LWS would recreate the group)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from services.dist.nodes import START_KEY, Layout, NodeWatch, exit_key, master_store, pids_key, publish_layout
+
+LEADER = textwrap.dedent("""
+    import sys, time
+    from datetime import timedelta
+    from services.dist.nodes import START_KEY, Layout, NodeWatch, master_store, publish_layout
+    lay = Layout(world=2, nodes=2, local=1, store_port=int(sys.argv[1]), join_timeout_s=120)
+    store = master_store("", lay.store_port, timedelta(seconds=60))
+    publish_layout(store, lay, "actor", "gloo", 120.0)
+    NodeWatch(store, lay).wait_joined("actor")
+    store.set(START_KEY, "1")
+    print(store.get("node/1/pids").decode(), flush=True)  # waits until the node started its rank
+    time.sleep(600)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _node(port: int, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.dist.node", "--service", "actor", "--leader", "127.0.0.1",
+             "--store-port", str(port), "--node-rank", "1", "--nodes", "2", "--gpus-per-node", "1",
+             "--connect-timeout-s", "120"], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _gone(pid: int, within_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_node_started_before_its_leader_exits_non_zero_with_its_rank_when_the_leader_dies(tmp_path: Path) -> None:
+    port = _free_port()
+    node = _node(port, tmp_path / "node.log")  # first: it retries until rank 0 listens
+    time.sleep(1.0)
+    leader = subprocess.Popen([sys.executable, "-c", LEADER, str(port)], stdout=subprocess.PIPE,
+                              env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
+    try:
+        assert leader.stdout is not None
+        rank = int(leader.stdout.readline().decode().strip("[]\n"))
+        assert node.poll() is None and not _gone(rank, within_s=0.5), "the node runs its rank"
+        leader.kill()
+        assert node.wait(timeout=60) != 0, "a node outlived its leader"
+        assert _gone(rank), "the node's rank outlived the leader (an orphan)"
+    finally:
+        for p in (node, leader):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_sigterm_stops_the_nodes_rank_and_tells_rank_0(tmp_path: Path) -> None:
+    lay = Layout(world=2, nodes=2, local=1, store_port=0, join_timeout_s=120, node_timeout_s=30)
+    store = master_store("127.0.0.1", 0, timedelta(seconds=60))
+    publish_layout(store, lay, "actor", "gloo", 120.0)
+    node = _node(store.port, tmp_path / "node.log")
+    try:
+        watch = NodeWatch(store, lay)
+        watch.wait_joined("actor")
+        store.set(START_KEY, "1")
+        rank = int(store.get(pids_key(1)).decode().strip("[]"))
+        assert watch.dead() == []
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(timeout=60) == 0
+        assert _gone(rank), "SIGTERM left the node's rank running"
+        assert watch.dead() == [1] and "stopped by a signal" in store.get(exit_key(1)).decode()
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
