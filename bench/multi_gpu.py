@@ -62,8 +62,9 @@ def config(gpus: int, model: Path, run_dir: Path) -> dict[str, Any]:
     g = split(gpus)
     device = "cpu" if DRY else "cuda"
     services: dict[str, Any] = {
-        "actor": {"device_group": "train", "device": device},
-        "critic": {"device_group": "value", "device": device},
+        # One trainer rank per GPU of each group (FSDP2 over the group); the dry run stays on one rank.
+        "actor": {"device_group": "train", "device": device, "trainer_ranks": 1 if DRY else g["train"]},
+        "critic": {"device_group": "value", "device": device, "trainer_ranks": 1 if DRY else g["value"]},
         "reward": {"device_group": "score", "device": device, "replicas": g["score"]},
         "reference": {"device_group": "score", "device": device},
     }

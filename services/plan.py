@@ -71,7 +71,12 @@ def group_use_notes(cfg: RunConfig, plan: Plan) -> list[str]:
         if svc not in plan.service_groups or not plan.gpu_count(svc):
             continue
         gpus = plan.gpus_for(svc)
-        line = f"{svc}: {trainer_ranks(cfg, svc, len(gpus))} trainer rank(s) on GPUs {plan.gpu_ids(svc)}"
+        ranks = trainer_ranks(cfg, svc, len(gpus))
+        if ranks > len(gpus) and cfg.endpoint(svc).device.startswith("cuda"):  # type: ignore[arg-type]
+            # Rank r trains on cuda:r of the group: more ranks than GPUs would fail at start-up.
+            raise PlacementError(f"services.{svc}.trainer_ranks: {ranks} ranks on a device group of {len(gpus)}"
+                                 f" GPU(s) ({plan.gpu_ids(svc)}); give the group {ranks} GPUs or train on fewer ranks")
+        line = f"{svc}: {ranks} trainer rank(s) on GPUs {plan.gpu_ids(svc)}"
         g = cfg.generation
         if svc == "actor" and (g.replicas > 1 or g.tensor_parallel_size > 1):
             layout = replica_layout(g.replicas, g.tensor_parallel_size, [str(x.index) for x in gpus])

@@ -22,8 +22,8 @@ DECOUPLED: dict[str, Any] = {
     "algo": {"name": "ppo", "kl_coef": 0.05},
     "generation": {"engine": "vllm", "device": "cuda", "replicas": 2, "tensor_parallel_size": 2},
     "devices": {"train": {"count": 4}, "value": {"count": 2}, "score": {"ids": [6, 7]}},
-    "services": {"actor": {"device_group": "train", "device": "cuda"},
-                 "critic": {"device_group": "value", "device": "cuda"},
+    "services": {"actor": {"device_group": "train", "device": "cuda", "trainer_ranks": 4},
+                 "critic": {"device_group": "value", "device": "cuda", "trainer_ranks": 2},
                  "reward": {"device_group": "score", "device": "cuda", "replicas": 2},
                  "reference": {"device_group": "score", "device": "cuda"}},
 }
@@ -96,3 +96,14 @@ def test_compose_gives_each_container_its_group_and_k8s_pods_their_gpu_count(tmp
         assert (base["kind"], base["metadata"]["name"], base["metadata"]["namespace"]) == \
             (doc["kind"], name, doc["metadata"]["namespace"])
         assert base["spec"]["template"]["spec"]["containers"][0]["name"] == name
+
+
+def test_more_trainer_ranks_than_the_groups_gpus_is_a_placement_error(tmp_path: Path) -> None:
+    import pytest
+
+    from services.core.placement import PlacementError
+
+    data = {**DECOUPLED, "services": {**DECOUPLED["services"],
+                                      "critic": {"device_group": "value", "device": "cuda", "trainer_ranks": 3}}}
+    with pytest.raises(PlacementError, match=r"services\.critic\.trainer_ranks: 3 ranks on a device group of 2"):
+        make_plan(_cfg(tmp_path, data), Inventory.synthetic(H200))
