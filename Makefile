@@ -35,8 +35,11 @@ run-local: setup
 	$(BIN)/rlfleet train --local --config $(CONFIG)
 
 # The deploy tests (tests/deploy) install a Docker engine and build images: `make test-deploy` runs them.
+# Unit tests are independent and CPU-bound: two workers (pytest-xdist). The fleet, fault and
+# integration tests run one at a time, since their timing bounds assume the host is theirs.
 test: setup
-	$(BIN)/pytest -q --ignore=tests/deploy $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n 2 tests/unit $(PYTEST_ARGS)
+	$(BIN)/pytest -q --ignore=tests/deploy --ignore=tests/unit $(PYTEST_ARGS)
 
 proto: $(BIN)/rlfleet
 	$(BIN)/python scripts/gen_proto.py
