@@ -17,6 +17,18 @@ from tests.fleet_helpers import EXAMPLE
 quiet_torch()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on a shared 2-core box: one intra-op thread is ~10x faster than two contending.
+    Modules of tiny-model tests opt in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
     """A real redis-server on a free loopback port, AOF on, private to one test."""

@@ -91,3 +91,26 @@ def commit_steps(journal: Any, steps: int) -> None:
         for stage in sorted(journal.stages):
             journal.mark_stage_done([tid], stage)
         journal.mark_trained([tid], step, step - 1, 0)
+
+
+def free_port() -> int:
+    """A loopback port free now (the OS's pick)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_dist_node(port: int, log: Path, *, connect_timeout_s: float, new_session: bool = False) -> Any:
+    """`python -m services.dist.node` as a worker pod runs it: node 1 of 2 with one rank, joining the
+    leader's store on loopback `port`; its output appended to `log`."""
+    import subprocess
+    import sys
+
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.dist.node", "--service", "actor", "--leader", "127.0.0.1",
+             "--store-port", str(port), "--node-rank", "1", "--nodes", "2", "--gpus-per-node", "1",
+             "--connect-timeout-s", str(connect_timeout_s)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,26 +16,11 @@ import pytest
 
 from services.report import read_metrics
 from tests.faults.test_faults import run_factory  # noqa: F401 - a fixture
-from tests.fleet_helpers import tiny_config
+from tests.fleet_helpers import free_port, start_dist_node, tiny_config
 
 pytestmark = pytest.mark.slow
 
 STEPS = 2  # compared with the 1-rank run; the 2-node run goes on 2 more, past the kill
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _node(port: int, log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "services.dist.node", "--service", "actor", "--leader", "127.0.0.1",
-             "--store-port", str(port), "--node-rank", "1", "--nodes", "2", "--gpus-per-node", "1",
-             "--connect-timeout-s", "240"],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _restarts(run, at_least: int, within_s: float) -> int:  # type: ignore[no-untyped-def]
@@ -57,11 +39,12 @@ def test_two_node_actor_learns_like_one_rank_and_a_dead_node_restarts_the_actor(
     one.stop(grace_s=30)
     ref = read_metrics(tmp_path / "one" / "metrics.jsonl")
 
-    port = _free_port()
+    port = free_port()
     # The overlay leaves trainer_ranks at 1: the environment defines the 2-rank world.
     for k, v in {"NODES": "2", "GPUS_PER_NODE": "1", "STORE_PORT": str(port), "NODE_TIMEOUT_S": "10"}.items():
         monkeypatch.setenv(f"RLFLEET_DIST_{k}", v)
-    nodes = [_node(port, tmp_path / "node.log")]  # before the leader: it retries until rank 0 listens
+    # Before the leader: it retries until rank 0 listens.
+    nodes = [start_dist_node(port, tmp_path / "node.log", connect_timeout_s=240, new_session=True)]
     try:
         cfg = tiny_config(tmp_path / "two", tiny_model, run={"max_steps": STEPS + 2}, **base)
         run = run_factory(cfg)
@@ -71,7 +54,8 @@ def test_two_node_actor_learns_like_one_rank_and_a_dead_node_restarts_the_actor(
         def kill_node_then_replace_it() -> None:
             os.kill(nodes[0].pid, signal.SIGKILL)
             assert _restarts(run, 1, within_s=120) == 1, "a dead node fails the actor"
-            nodes.append(_node(port, tmp_path / "node.log"))  # LWS would recreate the worker pod
+            # LWS would recreate the worker pod.
+            nodes.append(start_dist_node(port, tmp_path / "node.log", connect_timeout_s=240, new_session=True))
 
         run.fault("kill -9 the actor's worker node", kill_node_then_replace_it, at_step=STEPS)
         run.finish()

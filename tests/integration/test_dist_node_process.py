@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from services.dist.nodes import START_KEY, Layout, NodeWatch, exit_key, master_store, pids_key, publish_layout
+from tests.fleet_helpers import free_port, start_dist_node
 
 LEADER = textwrap.dedent("""
     import sys, time
@@ -30,20 +30,6 @@ LEADER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _node(port: int, log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "services.dist.node", "--service", "actor", "--leader", "127.0.0.1",
-             "--store-port", str(port), "--node-rank", "1", "--nodes", "2", "--gpus-per-node", "1",
-             "--connect-timeout-s", "120"], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-
-
 def _gone(pid: int, within_s: float = 20.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -57,8 +43,9 @@ def _gone(pid: int, within_s: float = 20.0) -> bool:
 
 
 def test_a_node_started_before_its_leader_exits_non_zero_with_its_rank_when_the_leader_dies(tmp_path: Path) -> None:
-    port = _free_port()
-    node = _node(port, tmp_path / "node.log")  # first: it retries until rank 0 listens
+    port = free_port()
+    # First: it retries until rank 0 listens.
+    node = start_dist_node(port, tmp_path / "node.log", connect_timeout_s=120)
     time.sleep(1.0)
     leader = subprocess.Popen([sys.executable, "-c", LEADER, str(port)], stdout=subprocess.PIPE,
                               env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
@@ -80,7 +67,7 @@ def test_sigterm_stops_the_nodes_rank_and_tells_rank_0(tmp_path: Path) -> None:
     lay = Layout(world=2, nodes=2, local=1, store_port=0, join_timeout_s=120, node_timeout_s=30)
     store = master_store("127.0.0.1", 0, timedelta(seconds=60))
     publish_layout(store, lay, "actor", "gloo", 120.0)
-    node = _node(store.port, tmp_path / "node.log")
+    node = start_dist_node(store.port, tmp_path / "node.log", connect_timeout_s=120)
     try:
         watch = NodeWatch(store, lay)
         watch.wait_joined("actor")

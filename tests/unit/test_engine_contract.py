@@ -42,13 +42,7 @@ BACKENDS = [
 SPEC = TinyModelSpec(warmup_steps=0)
 REPO = Path(__file__).resolve().parents[2]
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models on a shared 2-core box: one intra-op thread is ~10x faster than two contending."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ in this process (the process-engine replicas are in tests/integration/test_engin
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,7 @@ from services.models.tiny import build_tiny_model
 from services.models.tokenizer import encode_prompt
 from services.tasks import make_task
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

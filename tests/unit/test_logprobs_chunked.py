@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,13 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from services.models.logprobs import response_logprobs, split_head
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(vocab: int = 97, dtype: torch.dtype = torch.float32, **extra: Any) -> Qwen2ForCausalLM:

@@ -1,11 +1,9 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from services.core.config import TinyModelSpec
@@ -20,14 +18,7 @@ from services.models.tokenizer import (
 )
 from services.tasks import make_task
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models on a shared 2-core box: one intra-op thread is ~10x faster than two contending."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_char_tokenizer_round_trips_through_save_and_auto_tokenizer(tmp_path: Path) -> None:

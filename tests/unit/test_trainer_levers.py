@@ -4,7 +4,6 @@ chunked log-probs, the fused AdamW or a compiled decoder moves the weights as th
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,12 +17,7 @@ from services.rl.trainer import PolicyTrainer
 VOCAB = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(layers: int = 2) -> Qwen2ForCausalLM:
