@@ -44,6 +44,9 @@ from typing import Any
 
 import yaml
 
+from bench.trl_peer import write_json
+from bench.vs_trl import read_rows
+
 REPO = Path(__file__).resolve().parents[1]
 DRY = os.environ.get("BENCH_DRY") == "1"
 WORK = Path(os.environ.get("BENCH_WORK", "/tmp/rlfleet-learn"))
@@ -64,13 +67,6 @@ if DRY:
 
 def say(*parts: Any) -> None:
     print(f"[learn {time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    tmp.replace(path)
 
 
 # ---- the model both frameworks train ----
@@ -198,17 +194,6 @@ def clock_of_fleet(rows: list[dict[str, Any]], launch: float, now: float) -> flo
     evals = [float(r["eval_s"]) for r in rows if "eval_s" in r]
     before = statistics.median(evals) if evals else 0.0
     return now - launch - sum(evals) - (before if rows else 0.0)
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # the row being written
-    return rows
 
 
 # ---- phases ----
