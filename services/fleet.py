@@ -249,6 +249,10 @@ class Fleet:
                     new.restarts = sp.restarts
                     self.procs[name] = new
                     continue
+                if sp.proc.returncode == 2:
+                    # Exit code 2 is a configuration the service cannot run with (services.core.entry,
+                    # services.core.runtime): a restart would meet it again, so the run stops on its line.
+                    raise FleetError(f"{name} stopped: {last_error(sp.log_path)} (log: {sp.log_path})")
                 if sp.restarts >= self.restart_budget:
                     raise FleetError(f"{name} died {sp.restarts + 1} times (restart budget {self.restart_budget});"
                                      f" last exit code {sp.proc.returncode}: {last_error(sp.log_path)}"

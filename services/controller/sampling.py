@@ -57,6 +57,8 @@ class FleetSampling:
     async def _drop_stale(self, pbid: str) -> None:
         """Kept groups the next step (training version = the journal's step) may not train."""
         a = self.ctl.assembler
+        if a.rollout_id_of(pbid) is None:
+            return  # every group of the batch was just dropped: the assembler no longer holds it
         r, version = a.rollout_of(pbid), self.ctl.journal.step
         versions = r.versions.tolist() if r.versions is not None else [r.version] * len(r)
         for g in a.kept_groups(pbid):

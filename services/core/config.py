@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 # The sections of what a run trains on and of the algorithm live in modules of their own; every
 # name stays importable from here, the one config module the rest of the code knows.
 from services.core.config_algo import ALGO_DEFAULTS, GROUP_ALGOS, AlgoName, AlgoSection, KLName, LossAgg
-from services.core.config_base import ConfigError
+from services.core.config_base import ConfigError, RunCannotContinue
 from services.core.config_base import Strict as _Strict
 from services.core.config_trackers import TrackerSpec
 from services.core.config_workload import (
@@ -33,9 +33,29 @@ from services.core.config_workload import (
 )
 
 __all__ = [
-    "ALGO_DEFAULTS", "BUILTIN_TASKS", "FILE_SOURCES", "GROUP_ALGOS", "SCORING_STAGES", "SERVICE_NAMES", "AlgoName",
-    "AlgoSection", "ConfigError", "KLName", "LoraSpec", "LossAgg", "ModelSpec", "ModelsSection", "RewardSpec",
-    "RunConfig", "ServiceName", "TaskSection", "TaskSource", "TinyModelSpec", "load_config", "parse_config",
+    "ALGO_DEFAULTS",
+    "BUILTIN_TASKS",
+    "FILE_SOURCES",
+    "GROUP_ALGOS",
+    "SCORING_STAGES",
+    "SERVICE_NAMES",
+    "AlgoName",
+    "AlgoSection",
+    "ConfigError",
+    "KLName",
+    "LoraSpec",
+    "LossAgg",
+    "ModelSpec",
+    "ModelsSection",
+    "RewardSpec",
+    "RunCannotContinue",
+    "RunConfig",
+    "ServiceName",
+    "TaskSection",
+    "TaskSource",
+    "TinyModelSpec",
+    "load_config",
+    "parse_config",
 ]
 
 ServiceName = Literal["controller", "actor", "critic", "reward", "reference"]

@@ -45,7 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from services.core.auth import BodySizeLimitMiddleware, TokenAuthInterceptor, admin_guard
-from services.core.config import Endpoint, RunConfig, ServiceName
+from services.core.config import ConfigError, Endpoint, RunCannotContinue, RunConfig, ServiceName
 from services.core.gpu import GpuMonitor
 from services.core.http_routes import install_routes
 from services.core.logs import redact_text
@@ -402,7 +402,7 @@ class ServiceRuntime:
                     exc = None if main_task.cancelled() else main_task.exception()
                     if exc is not None or main_task.cancelled():
                         log.error("main loop failed", exc_info=exc)
-                        return await self._fail("main loop failed")
+                        return await self._fail("main loop failed", exc)
                     # A main loop that returns has finished its work (the controller after
                     # max_steps): leave the same way as on SIGTERM.
                     self.request_drain("main loop finished")
@@ -471,8 +471,9 @@ class ServiceRuntime:
             return 1
         return 0
 
-    async def _fail(self, why: str) -> int:
-        watchdog = Watchdog(self.fail_exit_s, 1, why) if self.hard_exit else None
+    async def _fail(self, why: str, exc: BaseException | None = None) -> int:
+        code = 2 if isinstance(exc, ConfigError | RunCannotContinue) else 1  # 2: a restart cannot help
+        watchdog = Watchdog(self.fail_exit_s, code, why) if self.hard_exit else None
         self._set_state("failed")
         self.reasons = [why]
         if self._health is not None:
@@ -481,8 +482,8 @@ class ServiceRuntime:
         await self.stop_servers(min(1.0, self.grace_s))
         if watchdog is not None:
             watchdog.cancel()
-        self.exit_code = 1
-        return 1
+        self.exit_code = code
+        return code
 
     def run(self, main: MainFn | None = None) -> NoReturn:
         """Serve in a fresh event loop and exit the process with its code."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from services.core.config_base import RunCannotContinue
 from services.rl.batch import Rollout
 
 
@@ -56,7 +57,7 @@ FILTERED = "filtered"  # reason prefix (and counter name) of a group dropped for
 SURPLUS = "surplus"  # reason prefix of a kept group its step had no room for and the next may not train
 
 
-class DynamicSamplingExhausted(RuntimeError):
+class DynamicSamplingExhausted(RunCannotContinue):
     """A step dropped as many all-equal groups as `algo.dynamic_sampling_max_rounds` allows and still
     lacks its batch: the run stops rather than sample forever or train on less."""
 
