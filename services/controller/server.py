@@ -46,13 +46,14 @@ from services.core.wire import (
     message,
     parse_message,
     score_from_proto,
+    train_batch_from_proto,
     train_batch_to_proto,
     validate_rollout_batch,
 )
 from services.core.worker import Rejected, StreamWorker
 from services.models.loading import load_tokenizer
 from services.rl import batch as rb
-from services.rl.pipeline import compute_advantages
+from services.rl.pipeline import batch_stats, compute_advantages
 from services.tasks import load_task
 
 log = logging.getLogger("rlfleet.controller")
@@ -333,7 +334,7 @@ class Controller:
 
     async def resume_step(self, raw: bytes) -> None:
         batch = parse_message(pb.TrainBatch, raw, max_bytes=self.cfg.flow.max_message_bytes)
-        r = validate_rollout_batch(batch.rollout, self.cfg.flow.max_message_bytes)
+        r = train_batch_from_proto(batch, self.cfg.flow.max_message_bytes).rollout
         per_msg = self.cfg.batch.prompts_per_message
         groups: dict[int, set[int]] = {}
         for t in r.task_ids:
@@ -346,7 +347,10 @@ class Controller:
                 self.assembler.drop(pbid)
                 self.progress.pop(pbid, None)
         log.info("resuming a journaled step", extra={"step": int(batch.step) + 1})
-        await self._commit_step(batch, r, stats={"resumed": 1.0}, t0=time.perf_counter())
+        # The batch holds rewards and advantages, so the row keeps its figures; the reward's
+        # per-component means were not journaled and are missing from it.
+        stats = {**batch_stats(r, self.cfg.algo, self.cfg.generation.max_new_tokens), "resumed": 1.0}
+        await self._commit_step(batch, r, stats=stats, t0=time.perf_counter())
 
     async def train_step(self, parts: list[rb.Rollout]) -> None:
         step = self.journal.step

@@ -3,6 +3,8 @@ so the fleet and the single-process baseline compute the exact same thing."""
 
 from __future__ import annotations
 
+import torch
+
 from services.core.config import AlgoSection
 from services.rl.advantages import (
     gae,
@@ -31,20 +33,10 @@ def compute_advantages(r: Rollout, algo: AlgoSection, max_new_tokens: int | None
     if r.rewards is None:
         raise MissingScores("rollout has no rewards: the reward stage has not scored it")
     scores = r.rewards.float()
-    lengths = mask.sum(dim=1)
-    stats: dict[str, float] = {}
-    if algo.overlong_buffer_len is not None:
-        if max_new_tokens is None:
-            raise ValueError("overlong shaping needs the generation budget (max_new_tokens)")
-        penalty = overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty_factor)
-        stats["overlong_penalty_mean"] = float(penalty.mean())
+    penalty = _overlong(r, algo, max_new_tokens)
+    if penalty is not None:
         scores = scores + penalty
-    kl = None
-    if algo.needs_reference:
-        if r.ref_logprobs is None:
-            raise MissingScores("kl_coef > 0 but the rollout has no reference log-probs")
-        kind = algo.kl_estimator_reward if algo.kl_in == "reward" else algo.kl_estimator
-        kl = kl_estimate(r.behaviour_logprobs.float(), r.ref_logprobs.float(), kind, algo.kl_clamp)
+    kl = _kl(r, algo)
     in_reward = algo.kl_coef if (kl is not None and algo.kl_in == "reward") else 0.0
 
     if algo.name == "ppo":
@@ -65,11 +57,46 @@ def compute_advantages(r: Rollout, algo: AlgoSection, max_new_tokens: int | None
         else:  # grpo, dr_grpo, dapo, gspo: the group-normalised advantage
             r.advantages = grpo_advantages(seq, r.group_ids, mask, norm_std=algo.group_norm_std)
 
+    return _stats(r, penalty, kl)
+
+
+def batch_stats(r: Rollout, algo: AlgoSection, max_new_tokens: int | None = None) -> dict[str, float]:
+    """The step statistics of a rollout whose advantages are already computed: what a step resumed
+    from its journaled batch reports, identical to what `compute_advantages` returned for it."""
+    if r.rewards is None or r.advantages is None:
+        raise MissingScores("the batch carries no rewards or advantages")
+    return _stats(r, _overlong(r, algo, max_new_tokens), _kl(r, algo))
+
+
+def _overlong(r: Rollout, algo: AlgoSection, max_new_tokens: int | None) -> torch.Tensor | None:
+    if algo.overlong_buffer_len is None:
+        return None
+    if max_new_tokens is None:
+        raise ValueError("overlong shaping needs the generation budget (max_new_tokens)")
+    lengths = r.response_mask.sum(dim=1)
+    return overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty_factor)
+
+
+def _kl(r: Rollout, algo: AlgoSection) -> torch.Tensor | None:
+    if not algo.needs_reference:
+        return None
+    if r.ref_logprobs is None:
+        raise MissingScores("kl_coef > 0 but the rollout has no reference log-probs")
+    kind = algo.kl_estimator_reward if algo.kl_in == "reward" else algo.kl_estimator
+    return kl_estimate(r.behaviour_logprobs.float(), r.ref_logprobs.float(), kind, algo.kl_clamp)
+
+
+def _stats(r: Rollout, penalty: torch.Tensor | None, kl: torch.Tensor | None) -> dict[str, float]:
+    assert r.rewards is not None and r.advantages is not None
+    mask, rewards = r.response_mask, r.rewards.float()
+    stats: dict[str, float] = {}
+    if penalty is not None:
+        stats["overlong_penalty_mean"] = float(penalty.mean())
     stats.update({
-        "reward_mean": float(r.rewards.float().mean()),
-        "reward_std": float(r.rewards.float().std()) if len(scores) > 1 else 0.0,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
         "adv_abs_mean": float(masked_mean(r.advantages.abs(), mask)),
-        "response_len_mean": float(lengths.float().mean()),
+        "response_len_mean": float(mask.sum(dim=1).float().mean()),
     })
     if kl is not None:
         stats["kl"] = float(masked_mean(kl, mask))

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from services.audit import audit
+from services.core.faults import ENV, fault_dir
 from services.core.journal import Journal, TaskState
 from services.fleet import Fleet
 from services.local import run_local
@@ -51,11 +52,25 @@ def _first_drop_at_or_after(events: Path, step: int, timeout_s: float) -> dict[s
     raise TimeoutError(f"no group dropped for step {step} within {timeout_s}s")
 
 
+def _reached(run_dir: Path, point: str, timeout_s: float) -> None:
+    marker = fault_dir(run_dir) / f"{point}.reached"
+    deadline = time.monotonic() + timeout_s
+    while not marker.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the controller did not reach {point} within {timeout_s}s")
+        time.sleep(0.05)
+
+
+# Killed while admitting (step 2's batch not full yet, a group just dropped), or with step 2's batch
+# journaled but not trained: the replacement resumes exactly that batch and its row keeps its figures.
+@pytest.mark.parametrize("crash", ["after_a_drop", "step_journaled@2"])
 def test_fleet_drops_equal_groups_like_the_local_loop_across_a_controller_crash(
-    tmp_path: Path, tiny_model: Path, fleet_factory: Any
+    crash: str, tmp_path: Path, tiny_model: Path, fleet_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     local = read_metrics(run_local(tiny_config(tmp_path / "local", tiny_model, **SECTIONS)))
     cfg = tiny_config(tmp_path / "fleet", tiny_model, **SECTIONS)
+    if crash != "after_a_drop":
+        monkeypatch.setenv(ENV, crash)
     fleet: Fleet = fleet_factory(cfg, restart_budget=2)
     fleet.start(ready_timeout_s=180)
     result: list[Any] = []
@@ -69,7 +84,9 @@ def test_fleet_drops_equal_groups_like_the_local_loop_across_a_controller_crash(
     sup = threading.Thread(target=supervise, daemon=True)
     sup.start()
     drop = _first_drop_at_or_after(cfg.run_dir / "events.jsonl", 2, timeout_s=300)
-    os.kill(fleet.procs["controller"].proc.pid, signal.SIGKILL)  # mid-step: step 2's batch is not full yet
+    if crash != "after_a_drop":
+        _reached(cfg.run_dir, crash, timeout_s=300)
+    os.kill(fleet.procs["controller"].proc.pid, signal.SIGKILL)
     sup.join(timeout=540)
     assert result == [0], f"supervise returned {result}"
     assert fleet.procs["controller"].restarts == 1
@@ -100,6 +117,8 @@ def test_fleet_drops_equal_groups_like_the_local_loop_across_a_controller_crash(
         for key in ("reward_mean", "adv_abs_mean", "policy_loss"):
             assert b[key] == pytest.approx(a[key], abs=1e-4), (a["step"], key)
     assert compared >= STEPS - 1
+    if crash != "after_a_drop":
+        assert fleet_rows[2].get("resumed") == 1.0 and compared == STEPS
 
 
 def test_a_step_that_only_finds_equal_rewards_stops_train_local_with_one_line_naming_the_bound(

@@ -14,7 +14,7 @@ from services.rl.advantages import group_mean_baseline, overlong_penalty
 from services.rl.batch import Rollout
 from services.rl.kl import kl_estimate
 from services.rl.losses import aggregate, policy_loss
-from services.rl.pipeline import compute_advantages
+from services.rl.pipeline import MissingScores, batch_stats, compute_advantages
 from tests.unit.test_rl_losses import GARBAGE, LENGTHS, dirty, leaf, lengths_mask, randn, real_cells
 
 GROUPS = [0, 0, 0, 1, 1]  # two prompts: three and two samples
@@ -277,3 +277,20 @@ def test_kl_in_reward_uses_its_own_estimator() -> None:
     diff = (r1.behaviour_logprobs - r1.ref_logprobs)[mask]
     assert s1["kl"] == pytest.approx(float(diff.mean()))  # k1 by default, as verl
     assert s3["kl"] == pytest.approx(float((torch.expm1(-diff) + diff).mean()))
+
+
+@pytest.mark.parametrize("name", ["dapo", "ppo", "reinforce_pp_baseline", "rloo"])
+def test_a_journaled_batch_reports_the_stats_its_step_computed(name: str) -> None:
+    """A step the controller resumes from its journaled batch (advantages already in it) writes the
+    same figures its first attempt computed: reward, advantage, length, KL, overlong penalty."""
+    extra = {"overlong_buffer_len": 2} if name == "dapo" else {}
+    algo = AlgoSection(name=name, group_size=3, kl_coef=0.05, **extra)
+    r = rollout([1.0, 0.0, 0.5, 2.0, -1.0], LENGTHS)
+    if name == "ppo":
+        r.values = randn(tuple(r.response_mask.shape), 7)
+    first = compute_advantages(r, algo, max_new_tokens=6)
+    assert {"reward_mean", "adv_abs_mean", "kl"} <= set(first)
+    assert batch_stats(r, algo, max_new_tokens=6) == first
+    r.advantages = None
+    with pytest.raises(MissingScores, match="no rewards or advantages"):
+        batch_stats(r, algo, max_new_tokens=6)
