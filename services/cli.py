@@ -232,7 +232,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
             for rep in detail.get("engine_replicas", []):  # generation.replicas > 1: one line per engine
                 gpus = ",".join(str(g["gpu"]) for g in rep.get("gpus", [])) or "-"
                 print(f"{'':<12} replica {rep['replica']} pid={rep.get('pid')} alive={rep.get('alive')}"
-                      f" version={rep.get('version')} {rep.get('tokens_per_s', 0):.0f} tok/s gpus={gpus}")
+                      f" version={rep.get('version')} {rep.get('tokens_per_s', 0):.0f} tok/s gpus={gpus}"
+                      f" weights={rep.get('weight_transfer', '-')}")
     return 0
 
 

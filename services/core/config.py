@@ -127,12 +127,25 @@ class GenerationSection(_Strict):
     replicas: Annotated[int, Field(ge=1, le=64)] = 1
     # vLLM's tensor parallelism: GPUs per engine replica (engine vllm only).
     tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    # How a weight sync reaches an engine in its own process: "ipc" passes the trainer's tensors by
+    # reference (shared memory, CUDA IPC: the engine must see the trainer's GPU); "collective"
+    # broadcasts them bucket by bucket over a torch.distributed group of the two (NCCL between GPUs,
+    # gloo on the CPU); "auto" is ipc where the engine shares the trainer's GPU or the CPU, else
+    # collective (replicas pinned to GPUs of their own).
+    weight_transfer: Literal["auto", "ipc", "collective"] = "auto"
+    # Bytes per broadcast of a collective weight sync, in MiB.
+    weight_transfer_bucket_mb: Annotated[int, Field(ge=1, le=16384)] = 512
+    # Bound on joining the transfer group and on each broadcast: a dead peer fails the sync by then.
+    weight_transfer_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0
 
     @model_validator(mode="after")
     def _parallel_engine(self) -> GenerationSection:
         if self.tensor_parallel_size > 1 and self.engine != "vllm":
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs engine 'vllm'"
                              f" (engine '{self.engine}' runs on one device)")
+        if self.weight_transfer == "collective" and not (self.process or self.replicas > 1):
+            raise ValueError("weight_transfer 'collective' needs an engine in its own process:"
+                             " set generation.process or generation.replicas > 1")
         return self
 
     def engine_dtype(self, policy_dtype: str) -> str:
@@ -142,6 +155,9 @@ class GenerationSection(_Strict):
         """Keyword arguments for `services.models.factory.make_engine`; `run_dir` anchors relative paths."""
         kw: dict[str, Any] = {"device": self.device, "micro_batch": self.micro_batch, "process": self.process,
                               "replicas": self.replicas, "tensor_parallel_size": self.tensor_parallel_size}
+        if self.process or self.replicas > 1:
+            kw.update(weight_transfer=self.weight_transfer, weight_transfer_bucket_mb=self.weight_transfer_bucket_mb,
+                      weight_transfer_timeout_s=self.weight_transfer_timeout_s)
         if self.engine == "vllm":
             kw.update(self.vllm.engine_options(run_dir))
         return kw

@@ -20,9 +20,14 @@ import socket
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["PortClaims", "PortError", "PortRequest", "assign_ports", "check_free", "port_holder"]
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+__all__ = ["PortClaims", "PortError", "PortRequest", "assign_ports", "c10d_store", "check_free", "port_holder"]
 
 
 class PortError(RuntimeError):
@@ -219,3 +224,21 @@ def assign_ports(requests: Sequence[PortRequest], owner: str, *, check: bool = T
     if check:
         check_free([PortRequest(r.name, r.host, out[r.name], r.field) for r in requests])
     return out
+
+
+def c10d_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A torch.distributed TCPStore server listening on `host` only ("" for every interface): c10d
+    binds every interface itself, so the socket is bound here and handed over. Raises OSError."""
+    import torch.distributed as dist
+
+    sk = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sk.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted leader rebinds at once
+    try:
+        sk.bind((host, port))
+        sk.listen(512)
+    except OSError:
+        sk.close()
+        raise
+    bound = sk.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", bound, None, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sk.detach(), use_libuv=True)

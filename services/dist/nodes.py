@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.core.config import ConfigError, RunConfig, ServiceName
+from services.core.ports import c10d_store
 
 log = logging.getLogger("rlfleet.dist")
 
@@ -124,20 +124,12 @@ def world_size(cfg: RunConfig, service: ServiceName) -> int:
 
 
 def master_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
-    """Rank 0's store, listening on `host` only: c10d itself binds every interface, so the socket
-    is bound here and handed over (loopback for one host, all interfaces for several)."""
-    sk = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sk.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted leader rebinds at once
+    """Rank 0's store, listening on `host` only (loopback for one host, all interfaces for several)."""
     try:
-        sk.bind((host, port))
-        sk.listen(512)
+        return c10d_store(host, port, timeout)
     except OSError as err:
-        sk.close()
         raise DistConfigError(f"rank 0's store cannot listen on {host or '*'}:{port}: {err.strerror}"
                               + (" (RLFLEET_DIST_STORE_PORT)" if port else "")) from None
-    bound = sk.getsockname()[1]
-    return dist.TCPStore("127.0.0.1", bound, None, is_master=True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=sk.detach(), use_libuv=True)
 
 
 def publish_layout(store: dist.Store, layout: Layout, service: str, backend: str, timeout_s: float) -> None:

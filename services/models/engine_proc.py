@@ -14,7 +14,9 @@ How:
   thread is busy generating, so an abort reaches a call in flight.
 - Tensors travel through `torch.multiprocessing`'s reductions: CPU tensors by shared memory, CUDA
   tensors by CUDA IPC handles, so a weight sync copies nothing between processes; the child copies
-  them into its model and drops its references before it answers.
+  them into its model and drops its references before it answers. A child pinned to GPUs the
+  trainer does not see gets its weights by broadcast instead (`transfer="collective"`,
+  `services.models.weight_transfer`): the plan goes over the pipe, the buckets over NCCL or gloo.
 - `pause`/`resume` and the in-flight count are kept in the parent, where every call passes.
 - A child that dies makes every later call raise `EngineDied` (and `alive` False): the actor treats
   that as fatal and exits, and its supervisor restarts it (fail fast, as vLLM does with a dead worker).
@@ -29,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ from services.models.engine import (
     WeightSyncError,
 )
 from services.models.gate import CallGate
+from services.models.weight_transfer import Link, Receiver, Sender, backend_for
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +63,14 @@ class EngineDied(EngineError):
 
 
 def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str, Any], threads: int,
-           visible_devices: str | None = None) -> None:
+           visible_devices: str | None = None, link: Link | None = None) -> None:
     if visible_devices is not None:
         # Before anything touches CUDA: this engine (a replica) sees only its own GPUs.
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     torch.set_num_threads(threads)
     try:
         engine = build_engine(name, Path(path), **kw)
+        receiver = Receiver(link) if link is not None else None
     except Exception as err:
         conn.send(("error", type(err).__name__, str(err)))
         return
@@ -121,8 +125,14 @@ def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[st
                         running = None
             elif op == "score":
                 out = engine.score(*args)  # type: ignore[attr-defined]
-            elif op == "update_weights":
-                named, version = args
+            elif op in ("update_weights", "receive_weights"):
+                if op == "receive_weights":
+                    if receiver is None:
+                        raise EngineError("this engine process was started without a weight-transfer link")
+                    buckets, version = args
+                    named = receiver.receive(buckets)
+                else:
+                    named, version = args
                 engine.update_weights(named, version)
                 if torch.cuda.is_initialized():
                     # Copies out of the parent's tensors may still be queued: the parent trains on
@@ -150,16 +160,27 @@ class ProcessEngine:
 
     def __init__(self, name: str, model_path: Path, start_timeout_s: float = 900.0, *,
                  visible_devices: str | None = None, label: str = "", threads: int | None = None,
+                 transfer: str = "ipc", transfer_bucket_bytes: int = 512 * 2**20, transfer_timeout_s: float = 300.0,
                  **kw: Any) -> None:
         """`visible_devices` (CUDA_VISIBLE_DEVICES of the child) pins the engine to its GPUs; `label`
         names the process (e.g. the replica); `threads` caps the child's CPU threads (default: this
-        process's)."""
+        process's). `transfer` is how weight syncs reach the child: "ipc" (by reference) or
+        "collective" (broadcast in buckets of `transfer_bucket_bytes`, bounded by `transfer_timeout_s`)."""
+        if transfer not in ("ipc", "collective"):
+            raise EngineError(f"unknown weight transfer {transfer!r}: use 'ipc' or 'collective'")
+        self._sender: Sender | None = None
+        if transfer == "collective":
+            dtype = getattr(torch, str(kw.get("dtype", "float32")), None)
+            self._sender = Sender(backend_for(str(kw.get("device", "cpu"))), timeout_s=transfer_timeout_s,
+                                  bucket_bytes=transfer_bucket_bytes,
+                                  engine_dtype=dtype if isinstance(dtype, torch.dtype) else None)
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._ctrl, child_ctrl = ctx.Pipe()
         self._proc = ctx.Process(target=_child, name=f"engine-{name}{label}", daemon=True,
                                  args=(child_conn, child_ctrl, name, str(model_path), kw,
-                                       threads or torch.get_num_threads(), visible_devices))
+                                       threads or torch.get_num_threads(), visible_devices,
+                                       self._sender.link if self._sender else None))
         t0 = time.monotonic()
         self._proc.start()
         child_conn.close()
@@ -171,7 +192,8 @@ class ProcessEngine:
         msg = self._wait_ready(start_timeout_s)
         self._version = int(msg["version"])
         self._eos = tuple(int(t) for t in msg["eos"])
-        self._describe = dict(msg["describe"], process=self._proc.pid)
+        self._describe = dict(msg["describe"], process=self._proc.pid, weight_transfer=transfer)
+        self.last_sync: dict[str, float] = {}
         log.info("engine process started", extra={"engine": name, "pid": self._proc.pid,
                                                    "seconds": round(time.monotonic() - t0, 1)})
 
@@ -209,12 +231,23 @@ class ProcessEngine:
     def describe(self) -> dict[str, Any]:
         return dict(self._describe)
 
-    def _call(self, op: str, *args: Any) -> Any:
+    def _call(self, op: str, *args: Any, during: Callable[[], None] | None = None) -> Any:
+        """One request and its answer; `during` runs between the two (the broadcasts of a weight
+        sync, which the child receives while it serves the request)."""
         with self._lock:
             if self._dead is not None:
                 raise EngineDied(self._dead)
             try:
                 self._conn.send((op, args))
+                if during is not None:
+                    try:
+                        during()
+                    except RuntimeError as err:
+                        # The child is gone or out of step with its parent: this engine cannot be trusted.
+                        self._proc.kill()
+                        self._proc.join(5)
+                        self._dead = f"weight transfer to the engine process failed during {op}: {str(err)[:300]}"
+                        raise EngineDied(self._dead) from None
                 msg = self._conn.recv()
             except (EOFError, OSError, BrokenPipeError):
                 self._proc.join(5)
@@ -234,6 +267,19 @@ class ProcessEngine:
         return out
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self._sender is not None:
+            sender = self._sender
+            buckets, tensors = sender.plan(named_tensors)
+            t0, sent = time.perf_counter(), 0
+
+            def broadcast() -> None:
+                nonlocal sent
+                sent = sender.send(tensors)
+
+            self._version = int(self._call("receive_weights", buckets, version, during=broadcast))
+            self.last_sync = {"bytes": float(sent), "buckets": float(len(buckets)),
+                              "seconds": time.perf_counter() - t0}
+            return
         # Detached views: the child must not see autograd state, and CUDA IPC shares storage only.
         named = [(n, t.detach()) for n, t in named_tensors]
         self._version = int(self._call("update_weights", named, version))
@@ -268,4 +314,6 @@ class ProcessEngine:
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join(5)
+        if self._sender is not None:
+            self._sender.close()
         self._dead = self._dead or "engine closed"

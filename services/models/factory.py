@@ -8,6 +8,7 @@ from typing import Any
 
 from services.models.backends import ENGINE_NAMES, available_engines, build_engine, check_engine_name
 from services.models.engine import EngineError, EngineUnavailable, GenerationEngine
+from services.models.weight_transfer import TRANSFERS, resolve
 
 __all__ = ["ENGINE_NAMES", "available_engines", "make_engine", "visible_gpus"]
 
@@ -36,12 +37,21 @@ def make_engine(
     process: bool = False,
     replicas: int = 1,
     tensor_parallel_size: int = 1,
+    weight_transfer: str = "auto",
+    weight_transfer_bucket_mb: int = 512,
+    weight_transfer_timeout_s: float = 300.0,
     **options: Any,
 ) -> GenerationEngine:
     """`options` go to the backend (vLLM: gpu_memory_utilization, enforce_eager, max_model_len, ...).
     `process=True` runs the engine in a child process of its own (`services.models.engine_proc`).
     `replicas` > 1 builds that many engines, each in its own process pinned to its GPUs
-    (`services.models.replicas`), served as one; `tensor_parallel_size` is vLLM's, per replica."""
+    (`services.models.replicas`), served as one; `tensor_parallel_size` is vLLM's, per replica.
+    `weight_transfer` (auto, ipc, collective) is how weight syncs reach a child process
+    (`services.models.weight_transfer`)."""
+    if weight_transfer not in TRANSFERS:
+        raise EngineError(f"unknown weight transfer {weight_transfer!r}: use one of {', '.join(TRANSFERS)}")
+    transfer: dict[str, Any] = {"transfer_bucket_bytes": weight_transfer_bucket_mb * 2**20,
+                                "transfer_timeout_s": weight_transfer_timeout_s}
     check_engine_name(name)
     if tensor_parallel_size > 1:
         if name != "vllm":
@@ -54,16 +64,19 @@ def make_engine(
             " workers needs vLLM's NCCL weight-transfer path, which is not built yet (docs/architecture.md,"
             " \"Engine replicas\"); use replicas with tensor_parallel_size 1")
     if replicas > 1:
-        return _make_replicas(name, model_path, replicas, tensor_parallel_size, dtype=dtype, device=device,
-                              micro_batch=micro_batch, **options)
+        return _make_replicas(name, model_path, replicas, tensor_parallel_size, weight_transfer, transfer,
+                              dtype=dtype, device=device, micro_batch=micro_batch, **options)
     if process:
         from services.models.engine_proc import ProcessEngine
 
-        return ProcessEngine(name, model_path, dtype=dtype, device=device, micro_batch=micro_batch, **options)
+        # One engine process runs where the actor does: it shares the trainer's device.
+        return ProcessEngine(name, model_path, transfer=resolve(weight_transfer, shares_trainer_device=True),
+                             dtype=dtype, device=device, micro_batch=micro_batch, **transfer, **options)
     return build_engine(name, model_path, dtype=dtype, device=device, micro_batch=micro_batch, **options)
 
 
-def _make_replicas(name: str, model_path: Path, replicas: int, tp: int, **kw: Any) -> GenerationEngine:
+def _make_replicas(name: str, model_path: Path, replicas: int, tp: int, weight_transfer: Any,
+                   transfer: dict[str, Any], **kw: Any) -> GenerationEngine:
     import torch
 
     from services.models.engine_proc import ProcessEngine
@@ -81,8 +94,11 @@ def _make_replicas(name: str, model_path: Path, replicas: int, tp: int, **kw: An
             pinned = layout.visible_devices(r)
             # A pinned replica sees its GPUs from index 0 on.
             rkw = dict(kw, device="cuda") if pinned is not None else kw
+            # The trainer (rank 0) runs on the first of the actor's GPUs: replicas elsewhere cannot
+            # open its CUDA IPC handles.
+            how = resolve(weight_transfer, shares_trainer_device=not layout.devices[r] or 0 in layout.ordinals[r])
             engines.append(ProcessEngine(name, model_path, visible_devices=pinned, label=f"-replica{r}",
-                                         threads=threads, **rkw))
+                                         threads=threads, transfer=how, **transfer, **rkw))
     except BaseException:
         for e in engines:
             e.close()

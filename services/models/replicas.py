@@ -171,16 +171,22 @@ class ReplicaEngine:
         return out
 
     def replica_stats(self) -> list[dict[str, Any]]:
-        """One row per replica: tokens and seconds generated so far, its version, process and devices."""
+        """One row per replica: tokens and seconds generated so far, its version, process, devices and
+        how weight syncs reach it (with the last one's seconds)."""
         rows = []
         for r, (e, c) in enumerate(zip(self._engines, self._counters, strict=True)):
             with c.lock:
                 row: dict[str, Any] = {"replica": r, "alive": e.alive, "version": e.version, "tokens": c.tokens,
                                        "generate_seconds": round(c.seconds, 3), "calls": c.calls}
             d = getattr(e, "describe", None)
-            pid = dict(d()).get("process") if callable(d) else None
-            if pid:
-                row["pid"] = int(pid)
+            desc = dict(d()) if callable(d) else {}
+            if desc.get("process"):
+                row["pid"] = int(desc["process"])
+            if desc.get("weight_transfer"):
+                row["weight_transfer"] = str(desc["weight_transfer"])
+            sync = getattr(e, "last_sync", None)
+            if isinstance(sync, dict) and "seconds" in sync:
+                row["last_sync_seconds"] = round(float(sync["seconds"]), 4)
             if self._layout is not None:
                 row["ordinals"] = list(self._layout.ordinals[r])
             rows.append(row)

@@ -1,7 +1,9 @@
 """An actor process with two engine replicas (generation.replicas: 2, transformers engines in child
 processes on the CPU): its rollouts are the one-engine rollouts of the same seeds, a weight sync
 reaches both replicas, both score like the trainer, /metrics and status show each replica, and a
-replica killed with -9 fails the actor fast."""
+replica killed with -9 fails the actor fast. The weights travel as they do to replicas pinned to GPUs
+of their own (`weight_transfer: collective`, gloo here, NCCL there); the e2e fleet test
+(tests/e2e/test_engine_replicas_fleet.py) runs the default, by reference."""
 
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def test_two_replicas_generate_like_one_engine_sync_together_and_a_dead_one_fail
 ) -> None:
     cfg = tiny_config(tmp_path / "run", tiny_model, run={"max_steps": 10}, redis={"url": redis_server.url},
                       algo={"group_size": 2}, batch={"prompts_per_step": 8, "prompts_per_message": 4},
-                      generation={"replicas": 2})
+                      generation={"replicas": 2, "weight_transfer": "collective"})
     actor = ActorProc(cfg, redis_server)
     try:
         replicas = _replica_pids(actor.proc.pid)
@@ -78,6 +80,7 @@ def test_two_replicas_generate_like_one_engine_sync_together_and_a_dead_one_fail
         assert actor.update(ckpt, 1).version == 1
         rows = _status(actor)["detail"]["engine_replicas"]
         assert [(x["replica"], x["version"], x["alive"]) for x in rows] == [(0, 1, True), (1, 1, True)]
+        assert {x["weight_transfer"] for x in rows} == {"collective"}
         assert sorted(x["pid"] for x in rows) == replicas
 
         r = actor.generate(version=1)

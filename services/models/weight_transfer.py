@@ -1,0 +1,201 @@
+"""A weight sync from the trainer's process to an engine in a child process, over torch.distributed.
+
+`ProcessEngine` passes tensors to its child by reference (shared memory, CUDA IPC), which needs the
+child to see the trainer's GPU. An engine replica pinned to other GPUs (`generation.replicas` on a
+device group) cannot open those handles, so its weights travel as collectives instead:
+
+- The two processes form a process group of two (the trainer's side is rank 0), built directly on a
+  c10d store the trainer's side serves on loopback: it stays apart from the trainer ranks' default
+  group, and joining it is bounded by `timeout_s`. NCCL carries CUDA tensors from GPU to GPU; gloo
+  carries CPU tensors (the CPU case, and what the tests run).
+- A sync is planned once (`plan`): tensors, cast to the engine's dtype (the engine would cast them
+  anyway, so half the bytes travel for a float32 trainer and a bfloat16 engine), are grouped into
+  buckets of one dtype and about `bucket_bytes`. The plan (names, shapes, dtypes: no data) goes over
+  the engine's pipe; each bucket is then one flat broadcast.
+- The child receives every bucket before it loads anything, then hands the tensors to its engine's
+  own `update_weights`, which stays strict and all-or-nothing. The cost is one copy of the weights in
+  the child while a sync runs.
+- A peer that dies mid-sync makes the broadcast raise on the other side (gloo: at once; NCCL: within
+  the group's timeout), so neither side hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+from services.core.ports import c10d_store
+from services.models.engine import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+TRANSFERS: tuple[str, ...] = ("auto", "ipc", "collective")
+_PREFIX = "rlfleet-weights"
+
+
+class _Group(Protocol):
+    """The c10d backend object both sides broadcast through (ProcessGroupGloo / ProcessGroupNCCL)."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Link:
+    """What the child needs to join its parent's group: the store's address, the backend, the bound."""
+
+    host: str
+    port: int
+    backend: Literal["gloo", "nccl"]
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat broadcast: tensors of one dtype, in order, with their shapes."""
+
+    dtype: str
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(_numel(s) for s in self.shapes)
+
+
+def resolve(transfer: str, *, shares_trainer_device: bool) -> Literal["ipc", "collective"]:
+    """`auto` is ipc where the engine sees the trainer's device (or both are on the CPU), else collective."""
+    if transfer == "auto":
+        return "ipc" if shares_trainer_device else "collective"
+    if transfer in ("ipc", "collective"):
+        return "ipc" if transfer == "ipc" else "collective"
+    raise WeightSyncError(f"unknown weight transfer {transfer!r}: use one of {', '.join(TRANSFERS)}")
+
+
+def backend_for(device: str) -> Literal["gloo", "nccl"]:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def plan(named: Iterable[tuple[str, torch.Tensor]], engine_dtype: torch.dtype | None,
+         bucket_bytes: int) -> tuple[list[Bucket], list[list[torch.Tensor]]]:
+    """Buckets of one dtype and about `bucket_bytes` each, and the tensors that fill them (floating
+    tensors cast to `engine_dtype` when given)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        t = t.detach()
+        if engine_dtype is not None and t.is_floating_point() and t.dtype != engine_dtype:
+            t = t.to(engine_dtype)
+        by_dtype.setdefault(t.dtype, []).append((name, t))
+    buckets: list[Bucket] = []
+    tensors: list[list[torch.Tensor]] = []
+    for dtype, items in by_dtype.items():
+        for chunk in _chunks(items, bucket_bytes):
+            buckets.append(Bucket(str(dtype).removeprefix("torch."), tuple(n for n, _ in chunk),
+                                  tuple(tuple(t.shape) for _, t in chunk)))
+            tensors.append([t for _, t in chunk])
+    return buckets, tensors
+
+
+def _chunks(items: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if chunk and size + nbytes > bucket_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, t))
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _group(store: dist.Store, rank: int, backend: str, timeout_s: float) -> _Group:
+    timeout = timedelta(seconds=timeout_s)
+    prefixed = dist.PrefixStore(_PREFIX, store)
+    if backend == "nccl":
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        return cast(_Group, dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_opts))
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = timeout
+    return cast(_Group, dist.ProcessGroupGloo(prefixed, rank, 2, opts))
+
+
+def _device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+class Sender:
+    """The trainer's side: serves the store at once; joins the group at the first sync, when the
+    child (told by the request on its pipe) joins too."""
+
+    def __init__(self, backend: Literal["gloo", "nccl"], *, timeout_s: float = 300.0,
+                 bucket_bytes: int = 512 * 2**20, engine_dtype: torch.dtype | None = None) -> None:
+        try:
+            self._store = c10d_store("127.0.0.1", 0, timedelta(seconds=timeout_s))
+        except OSError as err:
+            raise WeightSyncError(f"weight transfer: cannot listen on loopback: {err.strerror}") from None
+        self.link = Link("127.0.0.1", int(self._store.port), backend, float(timeout_s))
+        self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
+        self._pg: _Group | None = None
+
+    def plan(self, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[Bucket], list[list[torch.Tensor]]]:
+        return plan(named, self.engine_dtype, self.bucket_bytes)
+
+    def send(self, tensors: list[list[torch.Tensor]]) -> int:
+        """Broadcast each bucket (as planned); returns the bytes sent. Raises on a dead peer."""
+        if self._pg is None:
+            self._pg = _group(self._store, 0, self.link.backend, self.link.timeout_s)
+        device, sent = _device(self.link.backend), 0
+        for bucket in tensors:
+            flat = torch.cat([t.reshape(-1).to(device, non_blocking=True) for t in bucket])
+            self._pg.broadcast(flat, 0).wait()
+            sent += flat.numel() * flat.element_size()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the trainer may overwrite its tensors as soon as this returns
+        return sent
+
+    def close(self) -> None:
+        self._pg = None
+
+
+class Receiver:
+    """The engine child's side."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self._store = dist.TCPStore(link.host, link.port, None, is_master=False,
+                                    timeout=timedelta(seconds=link.timeout_s), use_libuv=True)
+        self._pg: _Group | None = None
+
+    def receive(self, buckets: Sequence[Bucket]) -> list[tuple[str, torch.Tensor]]:
+        """Every bucket of the plan, as (name, tensor) views of the received flat buffers."""
+        if self._pg is None:
+            self._pg = _group(self._store, 1, self.link.backend, self.link.timeout_s)
+        device = _device(self.link.backend)
+        out: list[tuple[str, torch.Tensor]] = []
+        for b in buckets:
+            dtype = getattr(torch, b.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise WeightSyncError(f"weight transfer: unknown dtype {b.dtype!r}")
+            flat = torch.empty(b.numel, dtype=dtype, device=device)
+            self._pg.broadcast(flat, 0).wait()
+            for name, shape, part in zip(b.names, b.shapes, flat.split([_numel(s) for s in b.shapes]), strict=True):
+                out.append((name, part.view(shape)))
+        return out

@@ -1,0 +1,144 @@
+"""Weight syncs broadcast to an engine process over torch.distributed (`weight_transfer: collective`,
+gloo on the CPU: the path replicas pinned to GPUs of their own take with NCCL): the engine ends up
+holding exactly what a by-reference (ipc) sync gives it, bucket by bucket and cast to its dtype; a
+refused sync leaves the two processes in step; a dead engine fails the sync at once, not at the
+timeout. Real transformers engines in real child processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.core.config import ConfigError, TinyModelSpec, parse_config
+from services.models.engine import GenerationEngine, SamplingParams, WeightSyncError
+from services.models.engine_proc import EngineDied, ProcessEngine
+from services.models.factory import make_engine
+from services.models.loading import load_causal_lm
+from services.models.tiny import build_tiny_model
+from services.models.weight_transfer import plan, resolve
+from services.tasks import make_task
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
+
+PROMPTS = [[1, 5, 7, 9, 11, 4], [2, 3, 3, 8], [6, 1, 2, 2, 9, 9, 10]]
+
+
+def _out(engine: GenerationEngine) -> list[tuple[list[int], list[float]]]:
+    """What the engine samples for fixed prompts and seed: equal outputs mean equal weights."""
+    done = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, seed=3))
+    return [(c.token_ids, c.logprobs) for c in done]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(make_task("arithmetic"), TinyModelSpec(warmup_steps=0),
+                            tmp_path_factory.mktemp("wt") / "m", seed=0)
+
+
+def _perturbed(path: Path, seed: int) -> dict[str, torch.Tensor]:
+    m = load_causal_lm(path)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return dict(m.state_dict())
+
+
+def test_a_collective_sync_loads_exactly_what_an_ipc_sync_loads_and_a_refused_one_changes_nothing(model: Path) -> None:
+    weights = _perturbed(model, 1)
+    ipc = ProcessEngine("transformers", model, transfer="ipc", threads=1)
+    coll = ProcessEngine("transformers", model, transfer="collective", transfer_bucket_bytes=64 * 2**10, threads=1)
+    try:
+        assert coll.describe()["weight_transfer"] == "collective"
+        assert _out(coll) == _out(ipc)
+        ipc.update_weights(weights.items(), 1)
+        coll.update_weights(weights.items(), 1)
+        assert coll.version == 1
+        assert _out(coll) == _out(ipc)  # bit for bit: float32 both ways
+        unique = {t.untyped_storage().data_ptr(): t for t in weights.values()}  # tied tensors travel twice
+        assert coll.last_sync["bytes"] >= sum(t.numel() * t.element_size() for t in unique.values())
+        assert coll.last_sync["buckets"] > 1  # 64 KiB buckets for a model of a few hundred
+        # Twice more, each a new version: the group is joined once and reused.
+        for v, seed in ((2, 2), (3, 3)):
+            w = _perturbed(model, seed)
+            ipc.update_weights(w.items(), v)
+            coll.update_weights(w.items(), v)
+        assert _out(coll) == _out(ipc)
+
+        # A refused sync (checked in the child after every bucket arrived) leaves both in step.
+        before = _out(coll)
+        with pytest.raises(WeightSyncError, match="version"):
+            coll.update_weights(_perturbed(model, 6).items(), 1)  # a version from the past
+        bad = dict(_perturbed(model, 7))
+        bad["not.a.weight"] = torch.zeros(3)
+        with pytest.raises(WeightSyncError, match=r"not\.a\.weight"):
+            coll.update_weights(bad.items(), 4)
+        assert coll.alive and coll.version == 3 and _out(coll) == before
+        coll.update_weights(_perturbed(model, 8).items(), 4)  # the next broadcast still lines up
+        assert coll.version == 4 and _out(coll) != before
+    finally:
+        ipc.close()
+        coll.close()
+
+
+def test_a_collective_sync_casts_to_the_engines_dtype_before_it_travels(model: Path) -> None:
+    weights = _perturbed(model, 4)
+    ref = make_engine("transformers", model, dtype="bfloat16")
+    coll = ProcessEngine("transformers", model, transfer="collective", dtype="bfloat16", threads=1)
+    try:
+        ref.update_weights(weights.items(), 1)
+        coll.update_weights(weights.items(), 1)
+        assert _out(coll) == _out(ref)
+        fp32_bytes = sum(t.numel() * 4 for t in weights.values())
+        assert coll.last_sync["bytes"] == pytest.approx(fp32_bytes / 2)
+    finally:
+        ref.close()
+        coll.close()
+
+
+def test_an_engine_process_killed_before_a_collective_sync_fails_it_fast(model: Path) -> None:
+    coll = ProcessEngine("transformers", model, transfer="collective", transfer_timeout_s=120, threads=1)
+    try:
+        coll.update_weights(_perturbed(model, 9).items(), 1)  # the group exists: the broadcast would wait on it
+        os.kill(coll.describe()["process"], signal.SIGKILL)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDied):
+            coll.update_weights(_perturbed(model, 10).items(), 2)
+        assert time.monotonic() - t0 < 10, "the sync waited for the timeout instead of failing on the dead peer"
+        assert not coll.alive
+        with pytest.raises(EngineDied):
+            _out(coll)
+    finally:
+        coll.close()
+
+
+def test_a_plan_groups_one_dtype_per_bucket_and_casts_only_floating_tensors() -> None:
+    named = [("a", torch.zeros(256)), ("b", torch.zeros(256)), ("ids", torch.arange(8)), ("c", torch.zeros(600))]
+    buckets, tensors = plan(named, torch.bfloat16, bucket_bytes=1024)
+    assert [(b.dtype, b.names) for b in buckets] == [("bfloat16", ("a", "b")), ("bfloat16", ("c",)),
+                                                     ("int64", ("ids",))]
+    assert [t.dtype for ts in tensors for t in ts] == [torch.bfloat16] * 3 + [torch.int64]
+    assert buckets[1].numel == 600  # a tensor larger than a bucket travels alone, whole
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan(named, None, bucket_bytes=0)
+
+
+def test_auto_transfer_is_ipc_where_the_engine_shares_the_trainers_device() -> None:
+    assert resolve("auto", shares_trainer_device=True) == "ipc"
+    assert resolve("auto", shares_trainer_device=False) == "collective"
+    assert resolve("ipc", shares_trainer_device=False) == "ipc"
+    with pytest.raises(WeightSyncError, match="unknown weight transfer 'nccl'"):
+        resolve("nccl", shares_trainer_device=True)
+
+
+def test_a_collective_transfer_without_an_engine_process_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="weight_transfer 'collective' needs an engine in its own process"):
+        parse_config({"generation": {"weight_transfer": "collective"}})
+    cfg = parse_config({"generation": {"weight_transfer": "collective", "replicas": 2}})
+    assert cfg.generation.engine_kwargs()["weight_transfer"] == "collective"
