@@ -1,5 +1,5 @@
 """A fleet whose actor trains on 2 ranks (a follower process, gloo, FSDP2): step for step the
-1-rank run, DCP checkpoints, and a resume of that run on 1 rank."""
+1-rank run (the single-process loop), DCP checkpoints, and a resume of that run on 1 rank."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.audit import audit
+from services.local import run_local
 from services.models.export import load_checkpointed_policy
 from services.report import read_metrics
 from tests.fleet_helpers import tiny_config
@@ -29,7 +30,9 @@ def _run(fleet_factory, cfg) -> list[dict]:  # type: ignore[no-untyped-def]
 def test_two_rank_actor_learns_like_one_rank_and_resumes_on_one_rank(
         tmp_path: Path, tiny_model: Path, fleet_factory) -> None:
     base = {"run": {"max_steps": STEPS}, "checkpoint": {"every": 1}}
-    one = _run(fleet_factory, tiny_config(tmp_path / "one", tiny_model, **base))
+    # The 1-rank reference is the single-process loop, which the 1-rank fleet matches step for step
+    # (tests/e2e/test_fleet.py).
+    one = read_metrics(run_local(tiny_config(tmp_path / "one", tiny_model, **base)))
     two_cfg = tiny_config(tmp_path / "two", tiny_model, services={"actor": {"trainer_ranks": 2}}, **base)
     two = _run(fleet_factory, two_cfg)
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
