@@ -39,7 +39,7 @@ run-local: setup
 # integration tests run one at a time, since their timing bounds assume the host is theirs.
 test: setup
 	$(BIN)/pytest -q -n 2 tests/unit $(PYTEST_ARGS)
-	$(BIN)/pytest -q --ignore=tests/deploy --ignore=tests/unit $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=25 --ignore=tests/deploy --ignore=tests/unit $(PYTEST_ARGS)
 
 proto: $(BIN)/rlfleet
 	$(BIN)/python scripts/gen_proto.py
