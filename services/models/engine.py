@@ -30,7 +30,7 @@ Contract every backend keeps (pinned by tests/unit/test_engine_contract.py):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -51,6 +51,11 @@ class EngineUnavailable(EngineError):
 
 class WeightSyncError(EngineError):
     """`update_weights` got tensors that do not match the engine's model; nothing was changed."""
+
+
+class WeightsTorn(EngineError):
+    """A streamed weight sync failed after it had changed some weights: the engine holds a mix of
+    two versions and must not serve again."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,17 @@ class GenerationEngine(Protocol):
     def alive(self) -> bool: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class StreamingWeights(Protocol):
+    """An engine that loads one sync bucket by bucket (`update_weights_stream`): it checks the
+    version and every name and shape of the sync (`shapes`) before it takes the first bucket, so a
+    broadcast sync (`services.models.weight_transfer`) never needs a second copy of the weights. A
+    failure after the first bucket raises `WeightsTorn`."""
+
+    def update_weights_stream(self, shapes: Mapping[str, tuple[int, ...]],
+                              buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None: ...
 
 
 _SEED_MOD = 2**63 - 1

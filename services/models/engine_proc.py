@@ -46,10 +46,12 @@ from services.models.engine import (
     EngineUnavailable,
     GenerationEngine,
     SamplingParams,
+    StreamingWeights,
+    WeightsTorn,
     WeightSyncError,
 )
 from services.models.gate import CallGate
-from services.models.weight_transfer import Link, Receiver, Sender, backend_for
+from services.models.weight_transfer import Bucket, Link, Receiver, Sender, backend_for
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +127,13 @@ def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[st
                         running = None
             elif op == "score":
                 out = engine.score(*args)  # type: ignore[attr-defined]
-            elif op in ("update_weights", "receive_weights"):
-                if op == "receive_weights":
-                    if receiver is None:
-                        raise EngineError("this engine process was started without a weight-transfer link")
-                    buckets, version = args
-                    named = receiver.receive(buckets)
-                else:
-                    named, version = args
+            elif op == "receive_weights":
+                if receiver is None:
+                    raise EngineError("this engine process was started without a weight-transfer link")
+                _receive_weights(engine, receiver, *args)
+                out = engine.version
+            elif op == "update_weights":
+                named, version = args
                 engine.update_weights(named, version)
                 if torch.cuda.is_initialized():
                     # Copies out of the parent's tensors may still be queued: the parent trains on
@@ -145,9 +146,25 @@ def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[st
             else:
                 raise EngineError(f"unknown engine request {op!r}")
             conn.send(("ok", out))
+        except WeightsTorn as err:
+            # Two versions in one model: this engine must not serve again.
+            conn.send(("fatal", type(err).__name__, str(err)))
+            break
         except Exception as err:
             conn.send(("error", type(err).__name__, str(err)))
     engine.close()
+
+
+def _receive_weights(engine: GenerationEngine, receiver: Receiver, buckets: list[Bucket], version: int) -> None:
+    stream = receiver.stream(buckets)
+    try:
+        if isinstance(engine, StreamingWeights):
+            shapes = {n: s for b in buckets for n, s in zip(b.names, b.shapes, strict=True)}
+            engine.update_weights_stream(shapes, stream, version)
+        else:
+            engine.update_weights([x for bucket in stream for x in bucket], version)
+    finally:
+        receiver.drain(stream)  # a refused sync still takes every broadcast, so both sides stay in step
 
 
 def _describe(engine: GenerationEngine) -> dict[str, Any]:
@@ -253,6 +270,10 @@ class ProcessEngine:
                 self._proc.join(5)
                 self._dead = f"engine process died (exit code {self._proc.exitcode}) during {op}"
                 raise EngineDied(self._dead) from None
+        if msg[0] == "fatal":
+            self._proc.join(10)
+            self._dead = f"engine process stopped: {msg[2]}"
+            raise EngineDied(self._dead)
         if msg[0] == "error":
             raise _ERRORS.get(msg[1], EngineError)(msg[2])
         return msg[1]

@@ -10,18 +10,33 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from services.models.engine import Completion, EngineError, FinishReason, SamplingParams, check_prompts, row_seed
+from services.models.engine import (
+    Completion,
+    EngineError,
+    FinishReason,
+    SamplingParams,
+    WeightsTorn,
+    check_prompts,
+    row_seed,
+)
 from services.models.gate import CallGate
 from services.models.loading import load_causal_lm, load_tokenizer
 from services.models.logprobs import accepts_kwarg, position_ids_from_mask
-from services.models.weights import check_version, check_weights, unique_named
+from services.models.weights import (
+    alias_expand,
+    check_version,
+    check_weights,
+    shapes_only,
+    stream_complete,
+    unique_named,
+)
 
 log = logging.getLogger(__name__)
 
@@ -256,19 +271,45 @@ class TransformersEngine:
             self._version = version
             log.info("engine weights updated to version %d (%d tensors)", version, len(incoming))
 
+    def update_weights_stream(self, shapes: Mapping[str, tuple[int, ...]],
+                              buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        """`update_weights` one bucket at a time (`engine.StreamingWeights`)."""
+        with self._gate.exclusive(lambda: check_version(version, self._version)):
+            state, groups = _targets(self._model)
+            check_weights(shapes_only(shapes), {n: tuple(t.shape) for n, t in state.items()}, groups)
+            groups_of = {n: g for g in groups for n in g}
+            done: set[str] = set()
+            try:
+                with torch.no_grad():
+                    for bucket in buckets:
+                        for n, t in alias_expand(bucket, groups_of, done):
+                            state[n].copy_(t)
+            except Exception as err:
+                if done:
+                    raise WeightsTorn(f"weight sync to version {version} failed midway:"
+                                      f" {type(err).__name__}: {str(err)[:300]}") from err
+                raise
+            stream_complete(done, groups, version)
+            self._version = version
+            log.info("engine weights updated to version %d (%d tensors, streamed)", version, len(shapes))
 
-def load_strict(model: nn.Module, incoming: dict[str, torch.Tensor]) -> None:
-    """Copy `incoming` into the model's parameters and persistent buffers in place, all or nothing.
 
-    Tied tensors (e.g. lm_head.weight and embed_tokens.weight) share storage; giving either name is
-    enough. Raises `WeightSyncError` naming unknown, missing and mis-shaped tensors.
-    """
+def _targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """The model's parameters and persistent buffers by name, and its alias groups: tied tensors
+    (e.g. lm_head.weight and embed_tokens.weight) share storage, and either name is enough."""
     state = model.state_dict(keep_vars=True)
     groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
     for n, t in state.items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         groups.setdefault(key, []).append(n)
-    check_weights(incoming, {n: tuple(t.shape) for n, t in state.items()}, groups.values())
+    return state, list(groups.values())
+
+
+def load_strict(model: nn.Module, incoming: dict[str, torch.Tensor]) -> None:
+    """Copy `incoming` into the model's parameters and persistent buffers in place, all or nothing.
+    Raises `WeightSyncError` naming unknown, missing and mis-shaped tensors."""
+    state, groups = _targets(model)
+    check_weights(incoming, {n: tuple(t.shape) for n, t in state.items()}, groups)
     with torch.no_grad():
         for n, t in incoming.items():
             state[n].copy_(t)

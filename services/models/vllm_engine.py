@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from services.models.engine import (
     EngineUnavailable,
     FinishReason,
     SamplingParams,
+    WeightsTorn,
     check_prompts,
 )
 from services.models.gate import CallGate
@@ -57,7 +58,14 @@ from services.models.vllm_adapter import (
     patch_sampler,
     sampled_logprobs,
 )
-from services.models.weights import check_version, check_weights, unique_named
+from services.models.weights import (
+    alias_expand,
+    check_version,
+    check_weights,
+    shapes_only,
+    stream_complete,
+    unique_named,
+)
 
 log = logging.getLogger(__name__)
 
@@ -439,6 +447,40 @@ class VLLMEngine:
                               "tensors": n}
             log.info("vLLM engine weights updated to version %d (%d tensors, %d buckets, %.3fs)", version, n,
                      nb, t2 - t0)
+
+    def update_weights_stream(self, shapes: Mapping[str, tuple[int, ...]],
+                              buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        """`update_weights` one received bucket at a time (`engine.StreamingWeights`): the engine
+        process of a broadcast sync holds one bucket beside the model, not a copy of it."""
+        check_weights(shapes_only(shapes), self._expected, self._groups)
+        dtype = getattr(torch, self._dtype)
+        groups_of = {n: g for g in self._groups for n in g}
+        with self._gate.exclusive(lambda: check_version(version, self._version)):
+            with self._engine_lock:
+                t0 = time.perf_counter()
+                done: set[str] = set()
+                n = nb = 0
+                try:
+                    for bucket in buckets:
+                        out = [(a, t.to(self._device, dtype=dtype, non_blocking=True))
+                               for a, t in alias_expand(bucket, groups_of, done)]
+                        if out:
+                            n += self._llm.collective_rpc(load_bucket, args=(out,))[0]
+                            nb += 1
+                except Exception as err:
+                    if nb:
+                        raise WeightsTorn(f"weight sync to version {version} failed after {nb} buckets:"
+                                          f" {type(err).__name__}: {str(err)[:300]}") from err
+                    raise
+                stream_complete(done, self._groups, version)
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                if not self._llm.reset_prefix_cache():
+                    raise EngineError("vLLM refused to reset its prefix cache after a weight update")
+                t2 = time.perf_counter()
+            self._version = version
+            self.last_sync = {"load_s": t1 - t0, "reset_s": t2 - t1, "total_s": t2 - t0, "buckets": nb,
+                              "tensors": n}
 
     def reset_prefix_cache(self) -> bool:
         with self._engine_lock:

@@ -12,15 +12,19 @@ device group) cannot open those handles, so its weights travel as collectives in
   anyway, so half the bytes travel for a float32 trainer and a bfloat16 engine), are grouped into
   buckets of one dtype and about `bucket_bytes`. The plan (names, shapes, dtypes: no data) goes over
   the engine's pipe; each bucket is then one flat broadcast.
-- The child receives every bucket before it loads anything, then hands the tensors to its engine's
-  own `update_weights`, which stays strict and all-or-nothing. The cost is one copy of the weights in
-  the child while a sync runs.
+- The child streams the buckets into an engine that loads bucket by bucket
+  (`engine.StreamingWeights`: both backends): the engine checks the whole plan's names and shapes
+  before the first bucket, so a sync it refuses changes nothing, and the engine process holds one
+  bucket beside its model, never a second copy of the weights. A failure after the first bucket is
+  `WeightsTorn`: the child exits and the actor fails fast. An engine without streaming gets every
+  bucket first, then one strict `update_weights`.
 - A peer that dies mid-sync makes the broadcast raise on the other side (gloo: at once; NCCL: within
   the group's timeout), so neither side hangs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -184,18 +188,25 @@ class Receiver:
                                     timeout=timedelta(seconds=link.timeout_s), use_libuv=True)
         self._pg: _Group | None = None
 
-    def receive(self, buckets: Sequence[Bucket]) -> list[tuple[str, torch.Tensor]]:
-        """Every bucket of the plan, as (name, tensor) views of the received flat buffers."""
+    def stream(self, buckets: Sequence[Bucket]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The plan's buckets as they arrive, each as (name, tensor) views of its flat buffer. The
+        sender broadcasts every bucket whatever the engine does with them, so a caller that stops
+        early must `drain` the rest."""
         if self._pg is None:
             self._pg = _group(self._store, 1, self.link.backend, self.link.timeout_s)
         device = _device(self.link.backend)
-        out: list[tuple[str, torch.Tensor]] = []
         for b in buckets:
             dtype = getattr(torch, b.dtype, None)
             if not isinstance(dtype, torch.dtype):
                 raise WeightSyncError(f"weight transfer: unknown dtype {b.dtype!r}")
             flat = torch.empty(b.numel, dtype=dtype, device=device)
             self._pg.broadcast(flat, 0).wait()
-            for name, shape, part in zip(b.names, b.shapes, flat.split([_numel(s) for s in b.shapes]), strict=True):
-                out.append((name, part.view(shape)))
-        return out
+            yield [(name, part.view(shape)) for name, shape, part
+                   in zip(b.names, b.shapes, flat.split([_numel(s) for s in b.shapes]), strict=True)]
+
+    @staticmethod
+    def drain(stream: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
+        """Receive (and drop) what is left of a stream; a stream that failed is already over."""
+        with contextlib.suppress(RuntimeError):
+            for _ in stream:
+                pass

@@ -7,11 +7,11 @@ offenders and nothing is changed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from services.models.engine import WeightSyncError
+from services.models.engine import WeightsTorn, WeightSyncError
 
 
 def names(items: Sequence[str], limit: int = 8) -> str:
@@ -60,3 +60,29 @@ def check_weights(
         problems.append(f"shape mismatch: {names(mismatched)}")
     if problems:
         raise WeightSyncError("update_weights rejected, nothing changed; " + "; ".join(problems))
+
+
+def shapes_only(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Meta tensors of these shapes: what `check_weights` needs of a sync that has not arrived yet."""
+    return {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+
+
+def alias_expand(bucket: Iterable[tuple[str, torch.Tensor]], groups_of: Mapping[str, Sequence[str]],
+                 done: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a streamed bucket under every name of its alias group (the engine's loader
+    keeps the name it holds), each group once per sync: `done` collects the groups (by first name)
+    already given, across the buckets of one sync."""
+    for name, t in bucket:
+        group = groups_of[name]
+        if group[0] in done:
+            continue
+        done.add(group[0])
+        for alias in group:
+            yield alias, t
+
+
+def stream_complete(done: set[str], groups: Iterable[Sequence[str]], version: int) -> None:
+    """After the last bucket: every alias group arrived, else the sync tore (the stream ended early)."""
+    missing = [g[0] for g in groups if g[0] not in done]
+    if missing:
+        raise WeightsTorn(f"weight sync to version {version} ended before {names(missing)} arrived")
