@@ -354,6 +354,8 @@ class Actor:
         """Fail fast when the engine's own process (generation.process) or a trainer rank died."""
         while self.engine.alive and (self.ranks is None or self.ranks.alive):
             await asyncio.sleep(1.0)
+        if self.runtime.draining:
+            return  # on_drain closed the engine and stopped the ranks: nothing died
         if self.ranks is not None and not self.ranks.alive:
             raise RankError(self.ranks.why_dead())
         which = ""

@@ -53,6 +53,8 @@ class Critic:
         assert self.ranks is not None
         while self.ranks.alive:
             await asyncio.sleep(1.0)
+        if self.svc.runtime.draining:
+            return  # the drain stopped the ranks: nothing died
         raise RankError(self.ranks.why_dead())
 
     @torch.no_grad()

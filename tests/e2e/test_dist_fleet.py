@@ -24,6 +24,9 @@ def _run(fleet_factory, cfg) -> list[dict]:  # type: ignore[no-untyped-def]
     fleet.start(ready_timeout_s=240)
     assert fleet.supervise(timeout_s=300) == 0
     fleet.stop(grace_s=30)
+    # A drained actor stopped its ranks on purpose: it exits 0 without a failure in its log.
+    assert fleet.procs["actor"].proc.returncode == 0
+    assert "main loop failed" not in (cfg.run_dir / "logs" / "actor.log").read_text()
     return read_metrics(cfg.run_dir / "metrics.jsonl")
 
 
