@@ -2,12 +2,16 @@
 (memory split), both receive each weight sync, and both score like the trainer.
 
     python -m bench.replica_check --out DIR          # on the GPU host (vLLM installed)
+    python -m bench.replica_check --out DIR --transfer collective   # weights by broadcast (gloo, staged)
     BENCH_DRY=1 python -m bench.replica_check --out DIR   # CPU dry run of the script (transformers engine)
 
 It drives exactly the actor's path: `make_engine(..., replicas=2, **generation.engine_kwargs())` builds
 a `ReplicaEngine` of two `ProcessEngine`s, each a child process pinned by CUDA_VISIBLE_DEVICES to the
 one GPU with `gpu_memory_utilization / 2`; weights go in by `update_weights` (CUDA IPC from the
-trainer's tensors), as in `Actor._train_step`. A Qwen2.5-0.5B-shaped model with random weights (bf16)
+trainer's tensors), as in `Actor._train_step`. `--transfer collective` sends them instead as replicas
+on GPUs of their own get them, by broadcast streamed into vLLM bucket by bucket; on one GPU the
+backend is gloo (NCCL refuses two processes on one device), so this checks the streaming load, not
+NCCL. A Qwen2.5-0.5B-shaped model with random weights (bf16)
 is the policy; after each of 3 syncs (a few AdamW steps on a fixed text in between, so the model
 turns peaked) it records, per replica:
 
@@ -74,6 +78,7 @@ def build_model(path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.replica_check")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--transfer", choices=["ipc", "collective"], default="ipc")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
@@ -93,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "float32" if DRY else "bfloat16"
     model_path = build_model(WORK / "model")
     gen = parse_config({"generation": {"engine": "transformers" if DRY else "vllm", "device": device,
-                                       "replicas": 2, "vllm": {"gpu_memory_utilization": UTIL,
-                                                               "max_model_len": 512}}}).generation
+                                       "replicas": 2, "weight_transfer": a.transfer,
+                                       "weight_transfer_backend": "gloo" if a.transfer == "collective" else "auto",
+                                       "vllm": {"gpu_memory_utilization": UTIL, "max_model_len": 512}}}).generation
     t0 = time.perf_counter()
     engine = make_engine(gen.engine, model_path, dtype=dtype, **gen.engine_kwargs())
     assert isinstance(engine, ReplicaEngine)
@@ -141,12 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                        "checks": checks})
         say(f"version {version}: sync {sync_s:.2f}s, checks {checks}")
     total = torch.cuda.get_device_properties(0).total_memory if not DRY and torch.cuda.is_available() else None
-    result = {"ok": ok, "dry": DRY, "replicas": 2, "gpu_memory_utilization": UTIL,
+    result = {"ok": ok, "dry": DRY, "replicas": 2, "weight_transfer": a.transfer, "gpu_memory_utilization": UTIL,
               "per_replica_share": UTIL / 2, "gpu_total_bytes": total, "rounds": rounds,
               "describe": engine.describe()}
     engine.close()
-    (a.out / "replica-check.json").write_text(json.dumps(result, indent=2, default=str))
-    say("ok" if ok else "FAILED", "->", a.out / "replica-check.json")
+    out = a.out / ("replica-check.json" if a.transfer == "ipc" else f"replica-check-{a.transfer}.json")
+    out.write_text(json.dumps(result, indent=2, default=str))
+    say("ok" if ok else "FAILED", "->", out)
     return 0 if ok else 1
 
 

@@ -133,6 +133,10 @@ class GenerationSection(_Strict):
     # gloo on the CPU); "auto" is ipc where the engine shares the trainer's GPU or the CPU, else
     # collective (replicas pinned to GPUs of their own).
     weight_transfer: Literal["auto", "ipc", "collective"] = "auto"
+    # The collective's backend: "auto" is NCCL for CUDA engines and gloo on the CPU; "gloo" on CUDA
+    # stages each bucket through host memory (slower, but needs no NCCL path between the two
+    # processes, and works for two processes on one GPU, which NCCL refuses).
+    weight_transfer_backend: Literal["auto", "nccl", "gloo"] = "auto"
     # Bytes per broadcast of a collective weight sync, in MiB.
     weight_transfer_bucket_mb: Annotated[int, Field(ge=1, le=16384)] = 512
     # Bound on joining the transfer group and on each broadcast: a dead peer fails the sync by then.
@@ -146,6 +150,9 @@ class GenerationSection(_Strict):
         if self.weight_transfer == "collective" and not (self.process or self.replicas > 1):
             raise ValueError("weight_transfer 'collective' needs an engine in its own process:"
                              " set generation.process or generation.replicas > 1")
+        if self.weight_transfer_backend == "nccl" and not self.device.startswith("cuda"):
+            raise ValueError(f"weight_transfer_backend 'nccl' needs a CUDA engine (generation.device is"
+                             f" {self.device!r}): use 'auto' or 'gloo'")
         return self
 
     def engine_dtype(self, policy_dtype: str) -> str:
@@ -156,7 +163,8 @@ class GenerationSection(_Strict):
         kw: dict[str, Any] = {"device": self.device, "micro_batch": self.micro_batch, "process": self.process,
                               "replicas": self.replicas, "tensor_parallel_size": self.tensor_parallel_size}
         if self.process or self.replicas > 1:
-            kw.update(weight_transfer=self.weight_transfer, weight_transfer_bucket_mb=self.weight_transfer_bucket_mb,
+            kw.update(weight_transfer=self.weight_transfer, weight_transfer_backend=self.weight_transfer_backend,
+                      weight_transfer_bucket_mb=self.weight_transfer_bucket_mb,
                       weight_transfer_timeout_s=self.weight_transfer_timeout_s)
         if self.engine == "vllm":
             kw.update(self.vllm.engine_options(run_dir))

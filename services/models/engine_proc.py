@@ -177,18 +177,20 @@ class ProcessEngine:
 
     def __init__(self, name: str, model_path: Path, start_timeout_s: float = 900.0, *,
                  visible_devices: str | None = None, label: str = "", threads: int | None = None,
-                 transfer: str = "ipc", transfer_bucket_bytes: int = 512 * 2**20, transfer_timeout_s: float = 300.0,
-                 **kw: Any) -> None:
+                 transfer: str = "ipc", transfer_backend: str = "auto", transfer_bucket_bytes: int = 512 * 2**20,
+                 transfer_timeout_s: float = 300.0, **kw: Any) -> None:
         """`visible_devices` (CUDA_VISIBLE_DEVICES of the child) pins the engine to its GPUs; `label`
         names the process (e.g. the replica); `threads` caps the child's CPU threads (default: this
         process's). `transfer` is how weight syncs reach the child: "ipc" (by reference) or
-        "collective" (broadcast in buckets of `transfer_bucket_bytes`, bounded by `transfer_timeout_s`)."""
+        "collective" (broadcast over `transfer_backend`, auto/nccl/gloo, in buckets of
+        `transfer_bucket_bytes`, bounded by `transfer_timeout_s`)."""
         if transfer not in ("ipc", "collective"):
             raise EngineError(f"unknown weight transfer {transfer!r}: use 'ipc' or 'collective'")
         self._sender: Sender | None = None
         if transfer == "collective":
             dtype = getattr(torch, str(kw.get("dtype", "float32")), None)
-            self._sender = Sender(backend_for(str(kw.get("device", "cpu"))), timeout_s=transfer_timeout_s,
+            self._sender = Sender(backend_for(str(kw.get("device", "cpu")), transfer_backend),
+                                  timeout_s=transfer_timeout_s,
                                   bucket_bytes=transfer_bucket_bytes,
                                   engine_dtype=dtype if isinstance(dtype, torch.dtype) else None)
         ctx = mp.get_context("spawn")

@@ -38,6 +38,7 @@ def make_engine(
     replicas: int = 1,
     tensor_parallel_size: int = 1,
     weight_transfer: str = "auto",
+    weight_transfer_backend: str = "auto",
     weight_transfer_bucket_mb: int = 512,
     weight_transfer_timeout_s: float = 300.0,
     **options: Any,
@@ -50,7 +51,8 @@ def make_engine(
     (`services.models.weight_transfer`)."""
     if weight_transfer not in TRANSFERS:
         raise EngineError(f"unknown weight transfer {weight_transfer!r}: use one of {', '.join(TRANSFERS)}")
-    transfer: dict[str, Any] = {"transfer_bucket_bytes": weight_transfer_bucket_mb * 2**20,
+    transfer: dict[str, Any] = {"transfer_backend": weight_transfer_backend,
+                                "transfer_bucket_bytes": weight_transfer_bucket_mb * 2**20,
                                 "transfer_timeout_s": weight_transfer_timeout_s}
     check_engine_name(name)
     if tensor_parallel_size > 1:

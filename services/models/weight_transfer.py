@@ -7,7 +7,8 @@ device group) cannot open those handles, so its weights travel as collectives in
 - The two processes form a process group of two (the trainer's side is rank 0), built directly on a
   c10d store the trainer's side serves on loopback: it stays apart from the trainer ranks' default
   group, and joining it is bounded by `timeout_s`. NCCL carries CUDA tensors from GPU to GPU; gloo
-  carries CPU tensors (the CPU case, and what the tests run).
+  carries CPU tensors (the CPU case, and what the tests run), or CUDA ones staged through host
+  memory where NCCL cannot go (two processes on one GPU).
 - A sync is planned once (`plan`): tensors, cast to the engine's dtype (the engine would cast them
   anyway, so half the bytes travel for a float32 trainer and a bfloat16 engine), are grouped into
   buckets of one dtype and about `bucket_bytes`. The plan (names, shapes, dtypes: no data) goes over
@@ -81,8 +82,15 @@ def resolve(transfer: str, *, shares_trainer_device: bool) -> Literal["ipc", "co
     raise WeightSyncError(f"unknown weight transfer {transfer!r}: use one of {', '.join(TRANSFERS)}")
 
 
-def backend_for(device: str) -> Literal["gloo", "nccl"]:
-    return "nccl" if device.startswith("cuda") else "gloo"
+def backend_for(device: str, backend: str = "auto") -> Literal["gloo", "nccl"]:
+    """The collective backend for an engine on `device`: `auto` is NCCL on CUDA, gloo on the CPU."""
+    if backend == "gloo" or (backend == "auto" and not device.startswith("cuda")):
+        return "gloo"
+    if backend not in ("auto", "nccl"):
+        raise WeightSyncError(f"unknown weight transfer backend {backend!r}: use auto, nccl or gloo")
+    if not device.startswith("cuda"):
+        raise WeightSyncError(f"weight transfer backend 'nccl' needs a CUDA engine, not {device!r}")
+    return "nccl"
 
 
 def plan(named: Iterable[tuple[str, torch.Tensor]], engine_dtype: torch.dtype | None,

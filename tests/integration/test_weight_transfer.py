@@ -20,7 +20,7 @@ from services.models.engine_proc import EngineDied, ProcessEngine
 from services.models.factory import make_engine
 from services.models.loading import load_causal_lm
 from services.models.tiny import build_tiny_model
-from services.models.weight_transfer import plan, resolve
+from services.models.weight_transfer import backend_for, plan, resolve
 from services.tasks import make_task
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
@@ -137,8 +137,19 @@ def test_auto_transfer_is_ipc_where_the_engine_shares_the_trainers_device() -> N
         resolve("nccl", shares_trainer_device=True)
 
 
+def test_the_backend_is_nccl_on_cuda_and_gloo_on_the_cpu_unless_asked() -> None:
+    assert backend_for("cuda") == "nccl" and backend_for("cpu") == "gloo"
+    assert backend_for("cuda:1", "gloo") == "gloo"  # staged through host memory
+    with pytest.raises(WeightSyncError, match="'nccl' needs a CUDA engine"):
+        backend_for("cpu", "nccl")
+    with pytest.raises(WeightSyncError, match="unknown weight transfer backend 'mpi'"):
+        backend_for("cuda", "mpi")
+
+
 def test_a_collective_transfer_without_an_engine_process_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="weight_transfer 'collective' needs an engine in its own process"):
         parse_config({"generation": {"weight_transfer": "collective"}})
+    with pytest.raises(ConfigError, match="weight_transfer_backend 'nccl' needs a CUDA engine"):
+        parse_config({"generation": {"replicas": 2, "weight_transfer_backend": "nccl"}})
     cfg = parse_config({"generation": {"weight_transfer": "collective", "replicas": 2}})
     assert cfg.generation.engine_kwargs()["weight_transfer"] == "collective"
