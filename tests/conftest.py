@@ -48,6 +48,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return resolve_model_path(spec, "policy", load_task(cfg.task), out.parent, cfg.run.seed)
 
 
+@pytest.fixture(scope="session")
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded task's tiny model with random weights (no warm-up): EOS is rare, so every row
+    runs to max_new_tokens and a change of weights shows in what it samples."""
+    from services.core.config import TinyModelSpec
+    from services.models.tiny import build_tiny_model
+    from services.tasks import make_task
+
+    return build_tiny_model(make_task("arithmetic"), TinyModelSpec(warmup_steps=0),
+                            tmp_path_factory.mktemp("random") / "m", seed=0)
+
+
 @pytest.fixture
 def fleet_factory() -> Iterator[Any]:
     """Fleets started by a test are always stopped, whatever the test did."""

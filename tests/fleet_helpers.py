@@ -1,5 +1,5 @@
-"""Shared helpers for tests that run a real fleet: the embedded default config with free ports, a
-private run directory and the session's prebuilt tiny model."""
+"""Shared helpers for tests that run a real fleet or its engines: the embedded default config with
+free ports, a private run directory and the session's prebuilt tiny model; new weights to sync."""
 
 from __future__ import annotations
 
@@ -114,3 +114,17 @@ def start_dist_node(port: int, log: Path, *, connect_timeout_s: float, new_sessi
              "--store-port", str(port), "--node-rank", "1", "--nodes", "2", "--gpus-per-node", "1",
              "--connect-timeout-s", str(connect_timeout_s)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)
+
+
+def perturbed_state(model_path: Path, seed: int, scale: float = 0.3) -> dict[str, Any]:
+    """The model's state dict moved by seeded noise: a new version to sync into an engine."""
+    import torch
+
+    from services.models.loading import load_causal_lm
+
+    m = load_causal_lm(model_path)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return dict(m.state_dict())

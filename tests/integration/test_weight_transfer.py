@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.core.config import ConfigError, TinyModelSpec, parse_config
+from services.core.config import ConfigError, parse_config
 from services.models.engine import GenerationEngine, SamplingParams, WeightSyncError
 from services.models.engine_proc import EngineDied, ProcessEngine
 from services.models.factory import make_engine
-from services.models.loading import load_causal_lm
-from services.models.tiny import build_tiny_model
 from services.models.weight_transfer import backend_for, plan, resolve
-from services.tasks import make_task
+from tests.fleet_helpers import perturbed_state
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
 
@@ -34,25 +32,13 @@ def _out(engine: GenerationEngine) -> list[tuple[list[int], list[float]]]:
     return [(c.token_ids, c.logprobs) for c in done]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(make_task("arithmetic"), TinyModelSpec(warmup_steps=0),
-                            tmp_path_factory.mktemp("wt") / "m", seed=0)
-
-
-def _perturbed(path: Path, seed: int) -> dict[str, torch.Tensor]:
-    m = load_causal_lm(path)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    return dict(m.state_dict())
-
-
-def test_a_collective_sync_loads_exactly_what_an_ipc_sync_loads_and_a_refused_one_changes_nothing(model: Path) -> None:
-    weights = _perturbed(model, 1)
-    ipc = ProcessEngine("transformers", model, transfer="ipc", threads=1)
-    coll = ProcessEngine("transformers", model, transfer="collective", transfer_bucket_bytes=64 * 2**10, threads=1)
+def test_a_collective_sync_loads_exactly_what_an_ipc_sync_loads_and_a_refused_one_changes_nothing(
+    random_model: Path,
+) -> None:
+    weights = perturbed_state(random_model, 1)
+    ipc = ProcessEngine("transformers", random_model, transfer="ipc", threads=1)
+    coll = ProcessEngine("transformers", random_model, transfer="collective", transfer_bucket_bytes=64 * 2**10,
+                         threads=1)
     try:
         assert coll.describe()["weight_transfer"] == "collective"
         assert _out(coll) == _out(ipc)
@@ -65,7 +51,7 @@ def test_a_collective_sync_loads_exactly_what_an_ipc_sync_loads_and_a_refused_on
         assert coll.last_sync["buckets"] > 1  # 64 KiB buckets for a model of a few hundred
         # Twice more, each a new version: the group is joined once and reused.
         for v, seed in ((2, 2), (3, 3)):
-            w = _perturbed(model, seed)
+            w = perturbed_state(random_model, seed)
             ipc.update_weights(w.items(), v)
             coll.update_weights(w.items(), v)
         assert _out(coll) == _out(ipc)
@@ -73,23 +59,23 @@ def test_a_collective_sync_loads_exactly_what_an_ipc_sync_loads_and_a_refused_on
         # A refused sync (checked in the child after every bucket arrived) leaves both in step.
         before = _out(coll)
         with pytest.raises(WeightSyncError, match="version"):
-            coll.update_weights(_perturbed(model, 6).items(), 1)  # a version from the past
-        bad = dict(_perturbed(model, 7))
+            coll.update_weights(perturbed_state(random_model, 6).items(), 1)  # a version from the past
+        bad = dict(perturbed_state(random_model, 7))
         bad["not.a.weight"] = torch.zeros(3)
         with pytest.raises(WeightSyncError, match=r"not\.a\.weight"):
             coll.update_weights(bad.items(), 4)
         assert coll.alive and coll.version == 3 and _out(coll) == before
-        coll.update_weights(_perturbed(model, 8).items(), 4)  # the next broadcast still lines up
+        coll.update_weights(perturbed_state(random_model, 8).items(), 4)  # the next broadcast still lines up
         assert coll.version == 4 and _out(coll) != before
     finally:
         ipc.close()
         coll.close()
 
 
-def test_a_collective_sync_casts_to_the_engines_dtype_before_it_travels(model: Path) -> None:
-    weights = _perturbed(model, 4)
-    ref = make_engine("transformers", model, dtype="bfloat16")
-    coll = ProcessEngine("transformers", model, transfer="collective", dtype="bfloat16", threads=1)
+def test_a_collective_sync_casts_to_the_engines_dtype_before_it_travels(random_model: Path) -> None:
+    weights = perturbed_state(random_model, 4)
+    ref = make_engine("transformers", random_model, dtype="bfloat16")
+    coll = ProcessEngine("transformers", random_model, transfer="collective", dtype="bfloat16", threads=1)
     try:
         ref.update_weights(weights.items(), 1)
         coll.update_weights(weights.items(), 1)
@@ -101,15 +87,16 @@ def test_a_collective_sync_casts_to_the_engines_dtype_before_it_travels(model: P
         coll.close()
 
 
-def test_an_engine_process_killed_before_a_collective_sync_fails_it_fast(model: Path) -> None:
-    coll = ProcessEngine("transformers", model, transfer="collective", transfer_timeout_s=120, threads=1)
+def test_an_engine_process_killed_before_a_collective_sync_fails_it_fast(random_model: Path) -> None:
+    coll = ProcessEngine("transformers", random_model, transfer="collective", transfer_timeout_s=120, threads=1)
     try:
-        coll.update_weights(_perturbed(model, 9).items(), 1)  # the group exists: the broadcast would wait on it
+        # The group exists now: a broadcast to the dead peer would wait on it, were it not for the error.
+        coll.update_weights(perturbed_state(random_model, 9).items(), 1)
         os.kill(coll.describe()["process"], signal.SIGKILL)
         time.sleep(0.5)
         t0 = time.monotonic()
         with pytest.raises(EngineDied):
-            coll.update_weights(_perturbed(model, 10).items(), 2)
+            coll.update_weights(perturbed_state(random_model, 10).items(), 2)
         assert time.monotonic() - t0 < 10, "the sync waited for the timeout instead of failing on the dead peer"
         assert not coll.alive
         with pytest.raises(EngineDied):

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.core.config import TinyModelSpec, parse_config
+from services.core.config import parse_config
 from services.models.engine import Completion, EngineError, SamplingParams, WeightSyncError
 from services.models.factory import make_engine
 from services.models.hf_engine import TransformersEngine
 from services.models.replicas import ReplicaEngine, ReplicaSetBroken, replica_layout, spread
-from services.models.tiny import build_tiny_model
 from services.models.tokenizer import encode_prompt
 from services.tasks import make_task
 
@@ -23,10 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Random init (no warm-up): EOS is rare, so rows run to max_new_tokens and sampling shows.
-    return build_tiny_model(make_task("arithmetic"), TinyModelSpec(warmup_steps=0),
-                            tmp_path_factory.mktemp("rep") / "m", seed=0)
+def model(random_model: Path) -> Path:
+    return random_model  # EOS is rare, so rows run to max_new_tokens and sampling shows
 
 
 @pytest.fixture(scope="module")

@@ -11,33 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.core.config import TinyModelSpec
 from services.models.engine import SamplingParams, StreamingWeights, WeightsTorn, WeightSyncError
 from services.models.factory import make_engine
-from services.models.loading import load_causal_lm
-from services.models.tiny import build_tiny_model
 from services.models.weight_transfer import plan
 from services.models.weights import alias_expand
-from services.tasks import make_task
+from tests.fleet_helpers import perturbed_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = [[1, 5, 7, 9], [2, 3, 3, 8, 4]]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(make_task("arithmetic"), TinyModelSpec(warmup_steps=0),
-                            tmp_path_factory.mktemp("ws") / "m", seed=0)
-
-
-def _weights(path: Path, seed: int) -> dict[str, torch.Tensor]:
-    m = load_causal_lm(path)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    return dict(m.state_dict())
 
 
 def _stream(weights: dict[str, torch.Tensor], bucket_bytes: int = 32 * 2**10):
@@ -52,9 +34,9 @@ def _out(engine) -> list[list[float]]:  # type: ignore[no-untyped-def]
     return [c.logprobs for c in done]
 
 
-def test_a_streamed_sync_loads_exactly_what_one_update_loads(model: Path) -> None:
-    w = _weights(model, 1)
-    whole, streamed = make_engine("transformers", model), make_engine("transformers", model)
+def test_a_streamed_sync_loads_exactly_what_one_update_loads(random_model: Path) -> None:
+    w = perturbed_state(random_model, 1)
+    whole, streamed = make_engine("transformers", random_model), make_engine("transformers", random_model)
     assert isinstance(streamed, StreamingWeights)
     whole.update_weights(w.items(), 1)
     shapes, parts = _stream(w)
@@ -63,8 +45,8 @@ def test_a_streamed_sync_loads_exactly_what_one_update_loads(model: Path) -> Non
     assert streamed.version == 1 and _out(streamed) == _out(whole)
 
 
-def test_a_streamed_sync_is_checked_whole_before_its_first_bucket(model: Path) -> None:
-    engine = make_engine("transformers", model)
+def test_a_streamed_sync_is_checked_whole_before_its_first_bucket(random_model: Path) -> None:
+    engine = make_engine("transformers", random_model)
     before = _out(engine)
     taken: list[int] = []
 
@@ -73,7 +55,7 @@ def test_a_streamed_sync_is_checked_whole_before_its_first_bucket(model: Path) -
             taken.append(i)
             yield p
 
-    w = _weights(model, 2)
+    w = perturbed_state(random_model, 2)
     shapes, parts = _stream(w)
     bad = dict(shapes, **{"not.a.weight": (3,)})
     with pytest.raises(WeightSyncError, match=r"unknown names: not\.a\.weight"):
@@ -88,9 +70,9 @@ def test_a_streamed_sync_is_checked_whole_before_its_first_bucket(model: Path) -
     assert engine.version == 3 and _out(engine) != before
 
 
-def test_a_stream_that_breaks_or_ends_early_after_a_bucket_is_torn(model: Path) -> None:
-    engine = make_engine("transformers", model)
-    shapes, parts = _stream(_weights(model, 3))
+def test_a_stream_that_breaks_or_ends_early_after_a_bucket_is_torn(random_model: Path) -> None:
+    engine = make_engine("transformers", random_model)
+    shapes, parts = _stream(perturbed_state(random_model, 3))
 
     def breaking() -> Iterator:  # type: ignore[type-arg]
         yield parts[0]
