@@ -261,12 +261,14 @@ class ProcessEngine:
                 if during is not None:
                     try:
                         during()
-                    except RuntimeError as err:
-                        # The child is gone or out of step with its parent: this engine cannot be trusted.
+                    except Exception as err:
+                        # The child is gone, or waits for broadcasts that will not come, or its answer
+                        # would be read by the next request: this engine cannot be trusted any more.
                         self._proc.kill()
                         self._proc.join(5)
-                        self._dead = f"weight transfer to the engine process failed during {op}: {str(err)[:300]}"
-                        raise EngineDied(self._dead) from None
+                        self._dead = (f"weight transfer to the engine process failed during {op}:"
+                                      f" {type(err).__name__}: {str(err)[:300]}")
+                        raise EngineDied(self._dead) from err
                 msg = self._conn.recv()
             except (EOFError, OSError, BrokenPipeError):
                 self._proc.join(5)

@@ -102,6 +102,9 @@ def plan(named: Iterable[tuple[str, torch.Tensor]], engine_dtype: torch.dtype | 
     by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named:
         t = t.detach()
+        if t.is_meta:
+            # Checked before anything is sent: once the plan is out, the child waits for every bucket.
+            raise WeightSyncError(f"weight transfer: {name!r} is a meta tensor (no data to send)")
         if engine_dtype is not None and t.is_floating_point() and t.dtype != engine_dtype:
             t = t.to(engine_dtype)
         by_dtype.setdefault(t.dtype, []).append((name, t))

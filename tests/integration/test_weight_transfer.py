@@ -67,6 +67,12 @@ def test_a_collective_sync_loads_exactly_what_an_ipc_sync_loads_and_a_refused_on
         assert coll.alive and coll.version == 3 and _out(coll) == before
         coll.update_weights(perturbed_state(random_model, 8).items(), 4)  # the next broadcast still lines up
         assert coll.version == 4 and _out(coll) != before
+        hollow = dict(perturbed_state(random_model, 9))
+        hollow[next(iter(hollow))] = torch.empty(3, device="meta")
+        with pytest.raises(WeightSyncError, match="is a meta tensor"):
+            coll.update_weights(hollow.items(), 5)  # refused before the plan goes out
+        coll.update_weights(perturbed_state(random_model, 9).items(), 5)
+        assert coll.alive and coll.version == 5
     finally:
         ipc.close()
         coll.close()
