@@ -92,10 +92,43 @@ def test_the_leader_is_the_base_actor_pod_at_the_address_the_overlay_config_name
 
 def test_overlay_replaces_the_actor_deployment_with_the_leaderworkerset() -> None:
     kust = yaml.safe_load((MULTI / "kustomization.yaml").read_text())
-    assert kust["resources"] == ["..", "actor-lws.yaml"]
+    assert kust["resources"] == ["..", "actor-lws.yaml", "network-policy.yaml"]
     patches = {p["path"] for p in kust["patches"]}
     assert patches == {"delete-actor-deployment.yaml", "configmap-patch.yaml"}
     delete = yaml.safe_load((MULTI / "delete-actor-deployment.yaml").read_text())
     base = yaml.safe_load((ROOT / "deploy" / "k8s" / "actor.yaml").read_text())
     assert delete["$patch"] == "delete"
     assert (delete["kind"], delete["metadata"]) == (base["kind"], {"name": "actor", "namespace": "rlfleet"})
+
+
+def _policy() -> dict[str, Any]:
+    return yaml.safe_load((MULTI / "network-policy.yaml").read_text())  # type: ignore[no-any-return]
+
+
+def test_the_network_policy_is_valid_kubernetes() -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (dev extras)")
+    try:
+        kv.validate(_policy(), K8S_VERSION, strict=True)
+    except kv.ValidationError as e:
+        pytest.fail(f"{e.message} at {'/'.join(map(str, e.path))}")
+
+
+def test_only_the_groups_own_pods_reach_the_store_and_the_collectives() -> None:
+    """Every rule that opens the store port (or every port) admits the group's pods and nothing else;
+    the rest of the fleet gets the actor's gRPC and HTTP ports."""
+    spec, lws = _policy()["spec"], _lws()
+    group = {"leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"]}  # the label LWS puts on its pods
+    assert spec["podSelector"] == {"matchLabels": group} and spec["policyTypes"] == ["Ingress"]
+    leader = _tpl("leaderTemplate")["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
+    opened: dict[int, list[Any]] = {}
+    for rule in spec["ingress"]:
+        sources = rule.get("from")  # absent: from anywhere
+        for port in [p["port"] for p in rule.get("ports", [])] or ["all"]:
+            opened.setdefault(port, []).append(sources)
+    for port in ("all", ports["dist-store"]):
+        for sources in opened.get(port, []):
+            assert sources == [{"podSelector": {"matchLabels": group}}], (port, sources)
+    assert ports["dist-store"] not in opened and "all" in opened  # the store only through the group rule
+    assert opened[ports["grpc"]] == [[{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "rlfleet"}}}]]
+    assert opened[ports["http"]] == [None]
