@@ -87,6 +87,9 @@ class Trainable:
         # neither reports ready nor serves until it has been replayed up to it.
         self.target_version: int | None = None
         self.lock = asyncio.Lock()  # one Train (or checkpoint) at a time
+        # The last step applied and its figures: a controller that crashed after this Train and
+        # before committing the step replays it, and its row still gets the step's loss.
+        self._last: tuple[int, dict[str, float]] = (0, {})
 
     def restore(self) -> int:
         meta = load_latest(self.root, self.service, self.model, self.optimizer,
@@ -130,6 +133,7 @@ class Trainable:
             t0 = time.perf_counter()
             stats = await apply(req)
             self.version, self.step = req.target_version, req.step
+            self._last = (req.target_version, dict(stats))
             if self.due():
                 await asyncio.to_thread(self.save)
         return message(pb.TrainResult, step=req.step, version=self.version, stats=stats,
@@ -141,7 +145,9 @@ class Trainable:
         FAILED_PRECONDITION, which tells the controller to replay the missing steps first.
         Call with `self.lock` held."""
         if self.version >= target_version:
-            return message(pb.TrainResult, step=step, version=self.version, replayed=True)
+            version, stats = self._last
+            return message(pb.TrainResult, step=step, version=self.version, replayed=True,
+                           stats=stats if version == target_version else {})
         if target_version != self.version + 1:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{self.service} at version {self.version} cannot apply a step targeting "

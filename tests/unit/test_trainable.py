@@ -4,6 +4,7 @@ reset without one, and the version gate (never backwards, never past the committ
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -79,3 +80,31 @@ def test_weights_never_go_backwards_nor_past_the_committed_version(tmp_path: Pat
         with pytest.raises(WeightsRefused, match=word) as err:
             t.check_weights_version(version, committed)
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_replayed_train_of_the_last_step_returns_that_steps_figures(tmp_path: Path) -> None:
+    """A controller that crashed between Train and its commit sends the step again: nothing is
+    applied twice, and the answer still carries the step's loss for the step's metrics row."""
+    import asyncio
+
+    from services.core.wire import train_batch_to_proto
+    from tests.unit.test_rl_algorithms import rollout
+
+    t = trainable(tmp_path)
+    applied: list[int] = []
+
+    async def apply(req: Any) -> dict[str, float]:
+        applied.append(req.target_version)
+        return {"policy_loss": 0.25 * req.target_version}
+
+    def train(step: int) -> Any:
+        batch = train_batch_to_proto(rollout([1.0, 0.0], [3, 2]), step=step, batch_id=f"s{step}",
+                                     target_version=step + 1)
+        return asyncio.run(t.train(batch, None, require=(), apply=apply))
+
+    assert dict(train(0).stats) == {"policy_loss": 0.25}
+    assert dict(train(1).stats) == {"policy_loss": 0.5}
+    again = train(1)
+    assert again.replayed and dict(again.stats) == {"policy_loss": 0.5} and applied == [1, 2]
+    older = train(0)  # an older step's figures are gone: its replay answers without them
+    assert older.replayed and dict(older.stats) == {} and applied == [1, 2]
