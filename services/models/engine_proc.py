@@ -208,7 +208,12 @@ class ProcessEngine:
         self._ctrl_lock = threading.Lock()
         self._gate = CallGate()  # a generate call carries the abort epoch it started in to the child
         self._dead: str | None = None
-        msg = self._wait_ready(start_timeout_s)
+        try:
+            msg = self._wait_ready(start_timeout_s)
+        except BaseException:
+            if self._sender is not None:
+                self._sender.close()  # its store's port goes with the engine that did not start
+            raise
         self._version = int(msg["version"])
         self._eos = tuple(int(t) for t in msg["eos"])
         self._describe = dict(msg["describe"], process=self._proc.pid, weight_transfer=transfer)

@@ -163,10 +163,11 @@ class Sender:
     def __init__(self, backend: Literal["gloo", "nccl"], *, timeout_s: float = 300.0,
                  bucket_bytes: int = 512 * 2**20, engine_dtype: torch.dtype | None = None) -> None:
         try:
-            self._store = c10d_store("127.0.0.1", 0, timedelta(seconds=timeout_s))
+            store = c10d_store("127.0.0.1", 0, timedelta(seconds=timeout_s))
         except OSError as err:
             raise WeightSyncError(f"weight transfer: cannot listen on loopback: {err.strerror}") from None
-        self.link = Link("127.0.0.1", int(self._store.port), backend, float(timeout_s))
+        self._store: dist.TCPStore | None = store
+        self.link = Link("127.0.0.1", int(store.port), backend, float(timeout_s))
         self.bucket_bytes, self.engine_dtype = int(bucket_bytes), engine_dtype
         self._pg: _Group | None = None
 
@@ -176,6 +177,8 @@ class Sender:
     def send(self, tensors: list[list[torch.Tensor]]) -> int:
         """Broadcast each bucket (as planned); returns the bytes sent. Raises on a dead peer."""
         if self._pg is None:
+            if self._store is None:
+                raise WeightSyncError("weight transfer: the sender is closed")
             self._pg = _group(self._store, 0, self.link.backend, self.link.timeout_s)
         device, sent = _device(self.link.backend), 0
         for bucket in tensors:
@@ -187,7 +190,9 @@ class Sender:
         return sent
 
     def close(self) -> None:
+        """Leave the group and stop serving the store (the engine process is gone or going)."""
         self._pg = None
+        self._store = None  # the last reference: the store's server stops
 
 
 class Receiver:
