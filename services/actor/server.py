@@ -15,10 +15,9 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
-from peft import PeftModel
 from transformers import PreTrainedModel
 
 from services.actor.engine_metrics import ReplicaCollector, replica_rows
@@ -41,7 +40,7 @@ from services.dist.protocol import RankError
 from services.models.engine import EngineError, SamplingParams, completions_to_rollout
 from services.models.factory import make_engine
 from services.models.loading import load_tokenizer
-from services.models.lora import check_only_adapters_train, engine_weights
+from services.models.lora import check_only_adapters_train, engine_weights, is_lora
 from services.models.replicas import ReplicaEngine
 from services.rl.trainer import PolicyTrainer
 
@@ -62,12 +61,13 @@ class Actor:
         else:
             self.policy = build_model(cfg, "actor", cfg.endpoint("actor").device)
             trainer = build_trainer(cfg, "actor", self.policy)
-        # A LoRA policy is a peft wrapper, which passes `config` and the rest through to the model.
-        assert isinstance(trainer, PolicyTrainer) and isinstance(self.policy, PreTrainedModel | PeftModel)
+        assert isinstance(trainer, PolicyTrainer) and (isinstance(self.policy, PreTrainedModel) or is_lora(self.policy))
         self.trainer = trainer
         if cfg.models.policy.lora is not None:
             check_only_adapters_train(self.policy, self.trainer.opt)
-        self.limits = Limits.for_run(cfg, vocab_size=int(self.policy.config.vocab_size))
+        # A peft wrapper passes `config` through to its model; peft is imported only by LoRA runs.
+        vocab = int(cast(PreTrainedModel, self.policy).config.vocab_size)
+        self.limits = Limits.for_run(cfg, vocab_size=vocab)
         self.engine = make_engine(cfg.generation.engine, path,
                                   dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
                                   **cfg.generation.engine_kwargs(cfg.run_dir))

@@ -195,7 +195,10 @@ def test_compose_stack_runs_hot_swaps_the_critic_and_passes_audit(stack: dict[st
         assert img["Config"]["Entrypoint"][-2:] == ["-m", f"services.{svc}"], img["Config"]["Entrypoint"]
 
     t0 = time.monotonic()
-    _run([*base, "up", "-d"], env=env, timeout=600)
+    p = _run([*base, "up", "-d"], env=env, timeout=600, check=False)
+    if p.returncode != 0:  # say which container was unhealthy and why, not only that one was
+        ps = _run([*base, "ps"], env=env, timeout=60, check=False)
+        raise AssertionError(f"compose up exited {p.returncode}: {p.stderr[-1500:]}\n{ps.stdout}\n{_logs(info)}")
     TIMINGS["up_s"] = time.monotonic() - t0
 
     t0 = time.monotonic()
