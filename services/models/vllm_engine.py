@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -394,10 +394,8 @@ class VLLMEngine:
         with self._gate.call(), self._engine_lock:
             outs = self._llm.generate([TokensPrompt(prompt_token_ids=list(s))
                                        for s in sequences], vparams, use_tqdm=False)
-        result = []
-        for s, o in zip(sequences, outs, strict=True):
-            result.append(sampled_logprobs(o.prompt_logprobs, list(s), skip_first=True))
-        return result
+        return [sampled_logprobs(o.prompt_logprobs, list(s), skip_first=True)
+                for s, o in zip(sequences, outs, strict=True)]
 
     # -- weights -------------------------------------------------------------------------------
     def _buckets(self, incoming: dict[str, torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -406,12 +404,11 @@ class VLLMEngine:
         (e.g. the embedding of a tied LM head) and skips the rest."""
         dtype = getattr(torch, self._dtype)
         bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
+        size = 0  # bytes in `bucket`
         for group in self._groups:
             src = next(incoming[n] for n in group if n in incoming)
             t = src.detach().to(self._device, dtype=dtype, non_blocking=True)
-            for n in group:
-                bucket.append((n, t))
+            bucket += [(n, t) for n in group]
             size += t.numel() * t.element_size()
             if size >= self._bucket_bytes:
                 yield bucket
@@ -419,24 +416,48 @@ class VLLMEngine:
         if bucket:
             yield bucket
 
-    def update_weights(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        *,
-        reset_prefix_cache: bool = True,
-    ) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                       reset_prefix_cache: bool = True) -> None:
         """Load the tensors into the running engine in place (strict, like the transformers backend),
         then reset the prefix cache. `reset_prefix_cache=False` exists to demonstrate stale KV."""
         incoming = unique_named(named_tensors)
         check_weights(incoming, self._expected, self._groups)
+        self._load(self._buckets(incoming), version, reset_prefix_cache=reset_prefix_cache)
+
+    def update_weights_stream(self, shapes: Mapping[str, tuple[int, ...]],
+                              buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        """`update_weights` one received bucket at a time (`engine.StreamingWeights`): the engine
+        process of a broadcast sync holds one bucket beside the model, not a copy of it."""
+        check_weights(shapes_only(shapes), self._expected, self._groups)
+        dtype, groups_of, done = getattr(torch, self._dtype), {n: g for g in self._groups for n in g}, set[str]()
+
+        def on_device() -> Iterator[list[tuple[str, torch.Tensor]]]:
+            for bucket in buckets:
+                out = [(a, t.to(self._device, dtype=dtype, non_blocking=True))
+                       for a, t in alias_expand(bucket, groups_of, done)]
+                if out:
+                    yield out
+
+        self._load(on_device(), version, complete=lambda: stream_complete(done, self._groups, version))
+
+    def _load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, *,
+              reset_prefix_cache: bool = True, complete: Callable[[], None] | None = None) -> None:
+        """Every bucket into vLLM's model under the gate, then the prefix cache, then the version. A
+        failure after the first bucket leaves two versions in the model: `WeightsTorn`."""
         with self._gate.exclusive(lambda: check_version(version, self._version)):
             with self._engine_lock:
-                t0 = time.perf_counter()
-                n = nb = 0
-                for bucket in self._buckets(incoming):
-                    n += self._llm.collective_rpc(load_bucket, args=(bucket,))[0]
-                    nb += 1
+                t0, n, nb = time.perf_counter(), 0, 0
+                try:
+                    for bucket in buckets:
+                        n += self._llm.collective_rpc(load_bucket, args=(bucket,))[0]
+                        nb += 1
+                    if complete is not None:
+                        complete()
+                except Exception as err:
+                    if nb:
+                        raise WeightsTorn(f"weight sync to version {version} failed after {nb} buckets:"
+                                          f" {type(err).__name__}: {str(err)[:300]}") from err
+                    raise
                 torch.cuda.synchronize()
                 t1 = time.perf_counter()
                 if reset_prefix_cache and not self._llm.reset_prefix_cache():
@@ -447,40 +468,6 @@ class VLLMEngine:
                               "tensors": n}
             log.info("vLLM engine weights updated to version %d (%d tensors, %d buckets, %.3fs)", version, n,
                      nb, t2 - t0)
-
-    def update_weights_stream(self, shapes: Mapping[str, tuple[int, ...]],
-                              buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
-        """`update_weights` one received bucket at a time (`engine.StreamingWeights`): the engine
-        process of a broadcast sync holds one bucket beside the model, not a copy of it."""
-        check_weights(shapes_only(shapes), self._expected, self._groups)
-        dtype = getattr(torch, self._dtype)
-        groups_of = {n: g for g in self._groups for n in g}
-        with self._gate.exclusive(lambda: check_version(version, self._version)):
-            with self._engine_lock:
-                t0 = time.perf_counter()
-                done: set[str] = set()
-                n = nb = 0
-                try:
-                    for bucket in buckets:
-                        out = [(a, t.to(self._device, dtype=dtype, non_blocking=True))
-                               for a, t in alias_expand(bucket, groups_of, done)]
-                        if out:
-                            n += self._llm.collective_rpc(load_bucket, args=(out,))[0]
-                            nb += 1
-                except Exception as err:
-                    if nb:
-                        raise WeightsTorn(f"weight sync to version {version} failed after {nb} buckets:"
-                                          f" {type(err).__name__}: {str(err)[:300]}") from err
-                    raise
-                stream_complete(done, self._groups, version)
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                if not self._llm.reset_prefix_cache():
-                    raise EngineError("vLLM refused to reset its prefix cache after a weight update")
-                t2 = time.perf_counter()
-            self._version = version
-            self.last_sync = {"load_s": t1 - t0, "reset_s": t2 - t1, "total_s": t2 - t0, "buckets": nb,
-                              "tensors": n}
 
     def reset_prefix_cache(self) -> bool:
         with self._engine_lock:
