@@ -18,11 +18,18 @@ from tests.faults.test_faults import fault_config, run_factory  # noqa: F401 - r
 pytestmark = pytest.mark.slow
 
 
-def _follower(actor_pid: int) -> int:
-    for pid in Path(f"/proc/{actor_pid}/task/{actor_pid}/children").read_text().split():
-        if b"services.dist.follower" in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return int(pid)
-    raise AssertionError("the actor has no follower rank")
+def _follower(actor_pid: int, within_s: float = 120.0) -> int:
+    """The actor's follower rank, once it has one: a restarted actor starts it during its start-up."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            for pid in Path(f"/proc/{actor_pid}/task/{actor_pid}/children").read_text().split():
+                if b"services.dist.follower" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return int(pid)
+        except OSError:  # a child that exited between the listing and the read
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"the actor has no follower rank after {within_s:.0f}s")
 
 
 def _gone(pid: int, within_s: float = 20.0) -> bool:
