@@ -121,11 +121,8 @@ def test_fleet_drops_equal_groups_like_the_local_loop_across_a_controller_crash(
         assert fleet_rows[2].get("resumed") == 1.0 and compared == STEPS
 
 
-def test_a_step_that_only_finds_equal_rewards_stops_train_local_with_one_line_naming_the_bound(
-    tmp_path: Path, tiny_model: Path
-) -> None:
-    from tests.e2e.test_cli import assert_one_line_error, rlfleet
-
+def _flat_reward_config(tmp_path: Path, tiny_model: Path) -> Path:
+    """A dapo run whose reward is the same for every completion: every group is dropped."""
     (tmp_path / "flat.py").write_text(
         "def flat(completions, **fields):\n    return [0.5 for _ in completions]\n")
     cfg = tiny_config(tmp_path / "run", tiny_model, run={"max_steps": 1, "eval_every": 0},
@@ -134,6 +131,15 @@ def test_a_step_that_only_finds_equal_rewards_stops_train_local_with_one_line_na
                       batch={"prompts_per_step": 4, "prompts_per_message": 4})
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    return path
+
+
+def test_a_step_that_only_finds_equal_rewards_stops_train_local_with_one_line_naming_the_bound(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    from tests.e2e.test_cli import assert_one_line_error, rlfleet
+
+    path = _flat_reward_config(tmp_path, tiny_model)
     p = rlfleet("train", "--local", "--config", str(path), timeout=300)
     line = assert_one_line_error(p, "step 1 dropped 8 groups", "algo.dynamic_sampling_max_rounds 2")
     assert line.startswith("rlfleet train: dynamic sampling:"), line
@@ -145,14 +151,7 @@ def test_a_fleet_step_that_only_finds_equal_rewards_stops_the_run_on_one_line_wi
 ) -> None:
     from tests.e2e.test_cli import assert_one_line_error, rlfleet
 
-    (tmp_path / "flat.py").write_text(
-        "def flat(completions, **fields):\n    return [0.5 for _ in completions]\n")
-    cfg = tiny_config(tmp_path / "run", tiny_model, run={"max_steps": 1, "eval_every": 0},
-                      task={"eval_size": 0, "reward_path": str(tmp_path / "flat.py:flat")},
-                      algo={"name": "dapo", "group_size": 2, "dynamic_sampling_max_rounds": 2},
-                      batch={"prompts_per_step": 4, "prompts_per_message": 4})
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    path = _flat_reward_config(tmp_path, tiny_model)
     p = rlfleet("up", "--config", str(path), timeout=300)
     # Every group of a batch dropped must not crash the controller, and its exit code 2 (a run that
     # cannot go on as configured) must stop the run rather than spend the restart budget on it.
