@@ -186,6 +186,14 @@ class _DiskTolerantHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().handleError(record)
 
 
+def current_service() -> str | None:
+    """The service name `setup_logging` installed in this process, if it ran."""
+    for h in logging.getLogger().handlers:
+        if getattr(h, "_rlfleet", False) and isinstance(h.formatter, JsonFormatter):
+            return h.formatter.service
+    return None
+
+
 def setup_logging(service: str, level: str | int = "INFO", stream: IO[str] | None = None) -> logging.Logger:
     """Route all logging (ours and libraries') to one JSON-lines handler; return the service logger.
 

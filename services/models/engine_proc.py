@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from services.core.logs import current_service, setup_logging
 from services.models.backends import build_engine
 from services.models.engine import (
     Completion,
@@ -65,7 +66,11 @@ class EngineDied(EngineError):
 
 
 def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str, Any], threads: int,
-           visible_devices: str | None = None, link: Link | None = None) -> None:
+           visible_devices: str | None = None, link: Link | None = None, log_to: tuple[str, int] | None = None) -> None:
+    if log_to is not None:
+        # A spawned child starts with logging unconfigured: without this its records (start-up time,
+        # weight loads, the reason it gives up) would be dropped instead of landing in the service's log.
+        setup_logging(log_to[0], level=log_to[1])
     if visible_devices is not None:
         # Before anything touches CUDA: this engine (a replica) sees only its own GPUs.
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
@@ -199,7 +204,9 @@ class ProcessEngine:
         self._proc = ctx.Process(target=_child, name=f"engine-{name}{label}", daemon=True,
                                  args=(child_conn, child_ctrl, name, str(model_path), kw,
                                        threads or torch.get_num_threads(), visible_devices,
-                                       self._sender.link if self._sender else None))
+                                       self._sender.link if self._sender else None,
+                                       (f"{svc}.engine{label}", logging.getLogger().getEffectiveLevel())
+                                       if (svc := current_service()) else None))
         t0 = time.monotonic()
         self._proc.start()
         child_conn.close()
