@@ -1,7 +1,7 @@
 """rlfleet against TRL on one GPU, same model, data and hyper-parameters, in one run (issues 7, 16).
 
     python -m bench.vs_trl plan                                   # the phases, their groups and time estimates
-    python -m bench.vs_trl run --phases 0.5b --out DIR            # on a GPU host: one group per device call
+    python -m bench.vs_trl run --phases peers --out DIR           # on a GPU host: one group per device call
     python -m bench.vs_trl report --results A.json B.json ...     # merge calls, render BENCHMARKS.md and plots
     BENCH_DRY=1 python -m bench.vs_trl run --out DIR              # CPU dry run of every phase (measures nothing)
 
@@ -12,8 +12,12 @@ completions of exactly 256 tokens, GRPO with groups of 8 and 256 completions per
 the loss), lr 1e-6, one epoch, one optimizer step per step, micro-batches of 16 sequences.
 
 Phases (each its own process, so each starts with the GPU to itself), grouped so that one group fits one
-device call of at most 10 minutes and the three default groups a 30-minute session with ~4 minutes of
-install (`plan` prints the estimates):
+device call of at most 10 minutes (`plan` prints the estimates, seconds measured on the H200 run of
+2026-12-01): `peers` (TRL with vLLM and vLLM alone, both workloads), `0.5b` and `1.5b` (the three fleet
+repeats), `peers2` (TRL with generate), `levers` and `levers2`. All of them take ~44 minutes, more than
+one 30-minute device session holds: the first four groups (~30 min) are the rows the targets are read
+from; the levers take a second session. A run first checks, in seconds, that every service and both
+peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
 - `trl-vllm-<w>`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the peer.
 - `fleet-<w>-r1..r3`: `rlfleet up`, every service on the GPU, `engine: vllm` in its own process, three
@@ -49,6 +53,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -110,23 +115,30 @@ DRY_LEVERS = {"logprob_chunk_tokens": 2, "fused_optimizer": True}
 
 def phases() -> list[Phase]:
     out: list[Phase] = []
-    # The first fleet of a workload compiles vLLM's graphs; the repeats find them in vLLM's cache.
-    for w, est_fleet, est_trl, est_alone in (("0.5b", 110, 90, 50), ("1.5b", 120, 95, 50)):
-        out.append(Phase(f"trl-vllm-{w}", "trl-vllm", w, w, est_trl))
-        out += [Phase(f"fleet-{w}-r{i}", "fleet", w, w, est_fleet + (40 if i == 1 else 0)) for i in (1, 2, 3)]
-        out.append(Phase(f"vllm-alone-{w}", "vllm-alone", w, w, est_alone))
+    # Seconds each phase took on the H200 run of 2026-12-01 (bench/results/vs_trl-2026120[12]T*.json),
+    # launch to exit; the 1.5B fleet is scaled from the 0.5B one by its peers' ratio. A fleet's repeats
+    # start as slowly as its first: vLLM's compile cache saved nothing measurable (120 s vs 123 s).
+    # Groups hold at most ~560 s, one device call each: the peers of both workloads, then each
+    # workload's three repeats.
+    est = {"trl-vllm-0.5b": 150, "trl-vllm-1.5b": 165, "vllm-alone-0.5b": 105, "vllm-alone-1.5b": 125,
+           "fleet-0.5b": 182, "fleet-1.5b": 190, "trl-0.5b": 120}
+    for w in ("0.5b", "1.5b"):
+        out += [Phase(f"trl-vllm-{w}", "trl-vllm", w, "peers", est[f"trl-vllm-{w}"]),
+                Phase(f"vllm-alone-{w}", "vllm-alone", w, "peers", est[f"vllm-alone-{w}"])]
+        out += [Phase(f"fleet-{w}-r{i}", "fleet", w, w, est[f"fleet-{w}"]) for i in (1, 2, 3)]
+    out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
     for lever, (algo_opts, vllm_opts) in LEVERS.items():
-        est = 140 if lever in ("compile", "graphs") else 110  # these two compile from cold
-        out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", "levers", est, algo_opts=algo_opts,
-                         vllm_opts=vllm_opts, lever=lever))
-    out += [Phase("trl-0.5b", "trl", "0.5b", "extra", 100),
-            Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 150, algo="ppo"),
-            Phase("fleet-0.5b-hf", "fleet", "0.5b", "extra", 200, engine="transformers", process=False),
-            Phase("fleet-0.5b-inproc", "fleet", "0.5b", "extra", 150, process=False)]
+        # compile and graphs compile from cold: about a minute more than the baseline's start
+        g = "levers" if lever in ("chunked", "fused") else "levers2"
+        out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", g, est["fleet-0.5b"] + (60 if g == "levers2" else 0),
+                         algo_opts=algo_opts, vllm_opts=vllm_opts, lever=lever))
+    out += [Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 200, algo="ppo"),
+            Phase("fleet-0.5b-hf", "fleet", "0.5b", "extra", 250, engine="transformers", process=False),
+            Phase("fleet-0.5b-inproc", "fleet", "0.5b", "extra", 180, process=False)]
     return out
 
 
-DEFAULT_GROUPS = ("0.5b", "1.5b", "levers")
+DEFAULT_GROUPS = ("peers", "0.5b", "1.5b", "peers2", "levers", "levers2")
 
 
 def select(spec: str | None) -> list[Phase]:
@@ -416,6 +428,7 @@ def phase_fleet(p: Phase, cap: float, gpu: GpuSampler, port_base: int) -> dict[s
     rows = [r for r in read_rows(run_dir / "metrics.jsonl") if "step_s" in r]
     res["rows"] = rows
     res["engine_start_s"] = engine_start_s(run_dir)
+    res["startup"] = startup_timeline(run_dir, t0)
     steady = [r for r in rows if first < int(r["step"]) <= last]
     if rows and int(rows[0]["step"]) == 1:
         res["first_step_s"] = float(rows[0]["time"]) - t0
@@ -446,12 +459,55 @@ def phase_fleet(p: Phase, cap: float, gpu: GpuSampler, port_base: int) -> dict[s
 
 
 def engine_start_s(run_dir: Path) -> float | None:
-    """vLLM's own start-up seconds, from the actor's log line (`... started in 42.0s`)."""
-    for log in sorted((run_dir / "logs").glob("actor*.log")) if (run_dir / "logs").is_dir() else []:
+    """Seconds the actor's engine took to come up: its process's (`engine process started`), else vLLM's
+    own line (`vLLM engine: ... started in 42.0s`) of an engine in the actor's process."""
+    logs = sorted((run_dir / "logs").glob("actor*.log")) if (run_dir / "logs").is_dir() else []
+    for rec in (r for log in logs for r in _records(log)):
+        if rec.get("msg") == "engine process started" and isinstance(rec.get("seconds"), int | float):
+            return float(rec["seconds"])
+    for log in logs:
         m = re.search(r"vLLM engine: .* started in ([0-9.]+)s", log.read_text(errors="replace"))
         if m:
             return float(m.group(1))
     return None
+
+
+def _records(log: Path) -> list[dict[str, Any]]:
+    """A service log's JSON records (vLLM's and other libraries' plain lines are skipped)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def _ts(rec: dict[str, Any]) -> float | None:
+    try:
+        return datetime.strptime(rec["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def startup_timeline(run_dir: Path, t0: float) -> dict[str, dict[str, float]]:
+    """Where the time to first step goes: per service, seconds from the phase's launch to its first log
+    record (its imports done) and to its `ready` state; the actor also gets its engine's start seconds."""
+    out: dict[str, dict[str, float]] = {}
+    for log in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []:
+        recs = [(t, r) for r in _records(log) if (t := _ts(r)) is not None]
+        if not recs:
+            continue
+        row = {"first_log_s": round(recs[0][0] - t0, 1)}
+        ready = next((t for t, r in recs if r.get("msg") == "state changed" and r.get("to") == "ready"), None)
+        if ready is not None:
+            row["ready_s"] = round(ready - t0, 1)
+        eng = next((r.get("seconds") for _, r in recs if r.get("msg") == "engine process started"), None)
+        if isinstance(eng, int | float):
+            row["engine_s"] = float(eng)
+        out[log.stem] = row
+    return out
 
 
 VLLM_ALONE = r'''
@@ -534,9 +590,27 @@ def run_phase(p: Phase, cap: float, gpu: GpuSampler, done: dict[str, Any], index
     return phase_fleet(p, cap, gpu, 51100 + 20 * (index % 40))
 
 
+SERVICE_MODULES = tuple(f"services.{n}.server" for n in PORTS)
+
+
+def missing_modules(dry: bool = DRY) -> list[str]:
+    """What the phases would die of at start-up, found in a few seconds instead of one phase at a time:
+    every service's imports (a fresh GPU host lacks whatever its wheelhouse forgot), and vLLM and TRL."""
+    mods = [*SERVICE_MODULES, "bench.trl_peer", *(() if dry else ("vllm", "trl"))]
+    code = ("import importlib, sys\nbad = []\nfor m in sys.argv[1:]:\n    try:\n        importlib.import_module(m)\n"
+            "    except ImportError as e:\n        bad.append(f'{m}: {e}')\nprint('\\n'.join(bad))")
+    p = subprocess.run([sys.executable, "-c", code, *mods], cwd=REPO, capture_output=True, text=True, timeout=600)
+    return [ln for ln in p.stdout.splitlines() if ln] or ([f"import check failed: {p.stderr.strip()[-300:]}"]
+                                                           if p.returncode else [])
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     chosen = select(args.phases or args.only)
     print_plan(chosen, args.deadline_s)
+    bad = missing_modules()
+    if bad:
+        print(f"vs_trl: cannot run, missing on this host: {'; '.join(bad)}", file=sys.stderr)
+        return 2
     WORK.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -554,7 +628,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     path = args.out / f"vs_trl-{stamp}.json"
     for i, p in enumerate(chosen):
         left = args.deadline_s - (time.monotonic() - start)
-        if left < min(p.est_s * 0.6, 60):
+        # A phase cut off at the deadline measures nothing and costs device time; a dry run's phases
+        # take seconds, whatever the GPU estimates say.
+        if left < (min(p.est_s, 60) if DRY else p.est_s):
             result["phases"][p.name] = {"skipped": f"{left:.0f} s left of the {args.deadline_s:.0f} s deadline"}
             continue
         say(f"phase {p.name} (estimate {p.est_s:.0f} s, {left:.0f} s left)")

@@ -68,9 +68,14 @@ def merge(paths: list[Path]) -> dict[str, Any]:
     for r in runs:
         out["gpu_samples"] += r.get("gpu_samples") or []
         for name, ph in r["phases"].items():
-            if ph.get("ok") or not out["phases"].get(name, {}).get("ok"):
+            if _standing(ph) >= _standing(out["phases"].get(name, {})):
                 out["phases"][name] = ph
     return out
+
+
+def _standing(ph: dict[str, Any]) -> int:
+    """Measured beats failed, and a phase that ran and failed beats a later skip: its reason is the real one."""
+    return 2 if ph.get("ok") else 1 if "rc" in ph or "error" in ph else 0
 
 
 def workload_summary(res: dict[str, Any], w: str) -> dict[str, Any]:
@@ -81,6 +86,10 @@ def workload_summary(res: dict[str, Any], w: str) -> dict[str, Any]:
     reps = [ph[f"fleet-{w}-{r}"] for r in REPEATS if ph.get(f"fleet-{w}-{r}", {}).get("ok")]
     alone = ph.get(f"vllm-alone-{w}", {}).get("variants", {})
     s: dict[str, Any] = {"peer": peer, "repeats": reps}
+    # Nominal lengths where no repeat measured them: the floor is the workload's, measured or not.
+    seqs = W["prompts_per_step"] * W["group"]
+    seq_len = W["prompt_tokens"] + (statistics.median(p.get("response_len", W["completion_tokens"]) for p in reps)
+                                    if reps else W["completion_tokens"])
     if reps:
         sps = [p["samples_per_s"] for p in reps]
         s["samples_per_s"] = statistics.median(sps)
@@ -90,17 +99,17 @@ def workload_summary(res: dict[str, Any], w: str) -> dict[str, Any]:
         s["first_step_s"] = _median([p.get("first_step_s") for p in reps])
         s["engine_start_s"] = _median([p.get("engine_start_s") for p in reps])
         s["stages"] = {k: _median([p.get("stages", {}).get(k) for p in reps]) for k in STAGES}
-        seqs = W["prompts_per_step"] * W["group"]
-        seq_len = W["prompt_tokens"] + statistics.median(p.get("response_len", W["completion_tokens"]) for p in reps)
         train_s = _median([p.get("train_s") for p in reps])
         off = statistics.fmean(p.get("off_policy", 0.0) for p in reps)
         if train_s:
             s["mfu"] = train_flops(shape, seqs, seq_len, off) / (train_s * PEAK_FLOPS)
-        plain = alone.get("plain", {}).get("tokens_per_s")
-        if plain:
-            gen_floor = seqs * (seq_len - W["prompt_tokens"]) / plain
-            train_floor = train_flops(shape, seqs, seq_len) / (FLOOR_MFU * PEAK_FLOPS)
-            s["floor"] = {"generate_s": gen_floor, "train_s": train_floor, "step_s": gen_floor + train_floor}
+        s["generate_tokens_per_s"] = _median([p.get("generate_tokens_per_s") for p in reps])
+    plain = alone.get("plain", {}).get("tokens_per_s")
+    if plain:
+        gen_floor = seqs * (seq_len - W["prompt_tokens"]) / plain
+        train_floor = train_flops(shape, seqs, seq_len) / (FLOOR_MFU * PEAK_FLOPS)
+        s["floor"] = {"generate_s": gen_floor, "train_s": train_floor, "step_s": gen_floor + train_floor}
+        if reps:
             s["floor_fraction"] = s["floor"]["step_s"] / s["step_s"]
     if peer.get("ok") and reps:
         s["ratio"] = s["samples_per_s"] / peer["samples_per_s"]
@@ -118,7 +127,18 @@ def _f(x: Any, nd: int = 1) -> str:
 
 
 def _why(p: dict[str, Any]) -> str:
-    return str(p.get("skipped") or p.get("error") or (f"exit {p.get('rc')}" if p else "not run"))
+    """Why a phase has no figures, in the words of what stopped it."""
+    if not p:
+        return "not run"
+    if p.get("skipped"):
+        return str(p["skipped"])
+    if p.get("rc") == 124:
+        return f"cut off by the call's deadline after {p.get('seconds', 0):.0f} s"
+    if p.get("rc") not in (None, 0):
+        # The launcher's (or peer's) own last line names the cause: "controller exited ... ModuleNotFoundError".
+        last = next((ln.strip() for ln in reversed(str(p.get("log_tail", "")).splitlines()) if ln.strip()), "")
+        return f"exit {p['rc']}: {last.split(' (log: ')[0][:200]}" if last else f"exit {p['rc']}"
+    return str(p.get("error") or f"exit {p.get('rc')}")
 
 
 def _row(label: str, p: dict[str, Any], base: float | None) -> str:
@@ -129,6 +149,20 @@ def _row(label: str, p: dict[str, Any], base: float | None) -> str:
     ratio = f"{p['samples_per_s'] / base:.2f}×" if base else "—"
     return (f"| {label} | {_f(p['samples_per_s'])} | {_f(p['tokens_per_s'], 0)} | {_f(p['median_step_s'], 2)} | "
             f"{_f(p.get('first_step_s'), 0)} | {_f(p.get('gpu_util'))} | {ratio} |")
+
+
+def _startup(reps: list[dict[str, Any]]) -> str:
+    """One repeat's start-up timeline: each service from its first log record to ready, the engine's start."""
+    tl = next((p["startup"] for p in reps if p.get("startup")), None)
+    if not tl:
+        return ""
+    parts = []
+    for name, row in sorted(tl.items(), key=lambda kv: kv[1].get("ready_s", kv[1]["first_log_s"])):
+        part = f"{name} {row['first_log_s']:.0f} → {_f(row.get('ready_s'), 0)}"
+        if row.get("engine_s"):
+            part += f" (engine process {row['engine_s']:.0f} s)"
+        parts.append(part)
+    return ", ".join(parts)
 
 
 def _holding(s: dict[str, Any]) -> str:
@@ -209,16 +243,24 @@ def render(res: dict[str, Any]) -> str:
         lines += ["", f"- Trainer MFU: {_f((s.get('mfu') or 0) * 100 if s.get('mfu') else None)}% "
                   f"({matmul_params(sh) / 1e6:,.0f}M matmul parameters; formula below)."]
         if fl:
+            reach = (f"; rlfleet's {s['step_s']:.2f} s step reaches {s['floor_fraction']:.0%} of it"
+                     if s.get("floor_fraction") else "")
             lines.append(f"- Per-step floor: {fl['generate_s']:.2f} s generation at plain vLLM speed + "
-                         f"{fl['train_s']:.2f} s "
-                         f"training at 50% MFU = {fl['step_s']:.2f} s; rlfleet's {s['step_s']:.2f} s step reaches "
-                         f"{s['floor_fraction']:.0%} of it.")
+                         f"{fl['train_s']:.2f} s training at 50% MFU = {fl['step_s']:.2f} s{reach}.")
         else:
             lines.append(f"- Per-step floor: not measured ({_why(ph.get(f'vllm-alone-{w}', {}))}).")
         va = ph.get(f"vllm-alone-{w}", {}).get("variants")
         if va:
             lines.append("- vLLM `LLM.generate` alone, same prompts: " + ", ".join(
                 f"{k} {_f(x['tokens_per_s'], 0)} tok/s" for k, x in va.items()))
+        if va and s.get("generate_tokens_per_s"):
+            gen = s["generate_tokens_per_s"]
+            lines.append(f"- Generation inside rlfleet (its generate stage): {_f(gen, 0)} tok/s, "
+                         + ", ".join(f"{gen / x['tokens_per_s']:.0%} of"
+                                     f" vLLM alone {k}" for k, x in va.items()) + ".")
+        start = _startup(s["repeats"])
+        if start:
+            lines.append(f"- Start-up of the first repeat (seconds from launch; first log line → ready): {start}.")
         if peer.get("ok") and peer.get("stages"):
             lines.append("- TRL's own per-step timers (median s): " + ", ".join(
                 f"{k.split('.')[-1]} {v:.2f}" for k, v in sorted(peer["stages"].items())))

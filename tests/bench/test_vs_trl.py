@@ -95,14 +95,50 @@ def test_merge_keeps_a_measured_phase_over_a_later_failure(tmp_path: Path) -> No
     assert m["files"] == ["a.json", "b.json"] and len(m["commands"]) == 2
 
 
-def test_default_plan_fits_a_thirty_minute_session_with_install() -> None:
+def test_a_phase_without_figures_says_what_stopped_it_and_a_later_skip_keeps_that_reason(tmp_path: Path) -> None:
+    died = {"rc": 1, "seconds": 22.0, "error": "only 0 steady steps recorded",
+            "log_tail": "rlfleet up: preparing x\nrlfleet up: controller exited with code 1 while starting:"
+                        " ModuleNotFoundError: No module named 'tenacity' (log: /tmp/x/logs/controller.log)\n"}
+    a, b = _result([80.0], [40.0]), _result([80.0], [40.0])
+    a["phases"]["fleet-1.5b-r1"] = died
+    b["phases"]["fleet-1.5b-r1"] = {"skipped": "4 s left of the 510 s deadline"}
+    b["phases"]["fleet-0.5b-r3"] = {"rc": 124, "seconds": 123.3, "error": "only 0 steady steps recorded"}
+    for name, r in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(r))
+    m = rep.merge([tmp_path / "a.json", tmp_path / "b.json"])
+    assert m["phases"]["fleet-1.5b-r1"] == died
+    md = rep.render(m)
+    assert ("| rlfleet GRPO, vLLM in its own process, r1 | not measured: exit 1: rlfleet up: controller exited with"
+            " code 1 while starting: ModuleNotFoundError: No module named 'tenacity' |") in md
+    assert "r3 | not measured: cut off by the call's deadline after 123 s |" in md
+
+
+def test_every_group_fits_one_device_call_and_the_target_rows_come_first() -> None:
     proc = subprocess.run([sys.executable, "-m", "bench.vs_trl", "plan"], cwd=REPO, capture_output=True, text=True,
                           timeout=60, env={**os.environ, "BENCH_DRY": ""})
     assert proc.returncode == 0, proc.stderr
     groups = [line for line in proc.stdout.splitlines() if "group " in line]
-    assert [g.split("group ")[1].split(":")[0] for g in groups] == ["0.5b", "1.5b", "levers"]
+    names = [g.split("group ")[1].split(":")[0] for g in groups]
+    assert names == ["peers", "0.5b", "1.5b", "peers2", "levers", "levers2"]
     minutes = [float(g.split("~")[1].split(" min")[0]) for g in groups]
-    assert all(m < 10 for m in minutes) and sum(minutes) <= 26, minutes  # 30 min minus ~4 of install
+    assert all(m < 9.7 for m in minutes), minutes  # a call is 10 min, start and transfers included
+
+
+def test_a_run_stops_in_seconds_naming_what_the_host_cannot_import(tmp_path: Path) -> None:
+    from bench import vs_trl
+
+    assert vs_trl.missing_modules(dry=True) == []  # this checkout's services all import
+    shadow = tmp_path / "shadow"  # a package that fails to import, like a GPU host without tenacity
+    (shadow / "tenacity").mkdir(parents=True)
+    (shadow / "tenacity" / "__init__.py").write_text("raise ImportError('No module named tenacity')\n")
+    env = {**os.environ, "BENCH_DRY": "1", "BENCH_WORK": str(tmp_path / "work"),
+           "PYTHONPATH": f"{shadow}{os.pathsep}{REPO}"}
+    proc = subprocess.run([sys.executable, "-m", "bench.vs_trl", "run", "--phases", "0.5b", "--out",
+                           str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "services.controller.server: No module named tenacity" in err[0], err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("vs_trl-*.json"))
 
 
 @pytest.mark.slow
@@ -161,3 +197,38 @@ def test_dry_run_exercises_every_phase_and_renders_the_report(tmp_path: Path) ->
     assert "| TRL GRPOTrainer, vLLM colocated |" in md and "Dry run on a CPU" in md
     assert md.count("**rlfleet, median of 3**") == 2 and "### Levers" in md
     assert "0.5b: rlfleet GRPO over TRL with vLLM, samples/s" in md
+
+
+def test_the_start_up_timeline_reads_each_services_json_log(tmp_path: Path) -> None:
+    import io
+    import logging
+
+    from bench.vs_trl import engine_start_s, startup_timeline
+    from services.core.logs import JsonFormatter
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    t0 = 1_796_170_000.0
+
+    def line(service: str, at: float, msg: str, **extra: Any) -> str:
+        rec = logging.LogRecord("x", logging.INFO, __file__, 0, msg, None, None)
+        rec.created, rec.msecs = at, (at % 1) * 1000
+        rec.__dict__.update(extra)
+        return JsonFormatter(service).format(rec)
+
+    buf = io.StringIO()
+    buf.write("INFO 12-01 vLLM's own plain line\n")
+    for at, msg, extra in ((t0 + 9.5, "serving", {}), (t0 + 70.2, "engine process started", {"seconds": 58.4}),
+                           (t0 + 71.0, "state changed", {"from": "starting", "to": "ready"})):
+        buf.write(line("actor", at, msg, **extra) + "\n")
+    (logs / "actor.log").write_text(buf.getvalue())
+    (logs / "reward.log").write_text(line("reward", t0 + 6.0, "serving") + "\n"
+                                     + line("reward", t0 + 8.0, "state changed", to="ready") + "\n")
+    tl = startup_timeline(tmp_path, t0)
+    assert tl == {"actor": {"first_log_s": 9.5, "ready_s": 71.0, "engine_s": 58.4},
+                  "reward": {"first_log_s": 6.0, "ready_s": 8.0}}
+    assert engine_start_s(tmp_path) == 58.4
+    md = rep.render({**_result([80.0], [40.0]), "phases": {
+        **_result([80.0], [40.0])["phases"], "fleet-0.5b-r1": {**_fleet(80.0, 60.0), "startup": tl}}})
+    assert "reward 6 → 8, actor 10 → 71 (engine process 58 s)" in md
+
