@@ -42,7 +42,7 @@ def sampling_params(cfg: RunConfig, tokenizer, seed: int) -> SamplingParams:  # 
     stops = tuple(sorted({tokenizer.eos_token_id, *g.stop_token_ids}))
     return SamplingParams(
         temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=g.max_new_tokens,
-        stop_token_ids=stops, seed=seed,
+        stop_token_ids=stops, seed=seed, logprobs=g.behaviour_logprobs == "engine",
     )
 
 
@@ -108,7 +108,8 @@ def run_local(
         if cfg.algo.needs_reference else None
     )
     trainer = PolicyTrainer(policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
-                            gradient_checkpointing=cfg.models.policy.gradient_checkpointing)
+                            gradient_checkpointing=cfg.models.policy.gradient_checkpointing,
+                            behaviour_logprobs=cfg.generation.behaviour_logprobs)
     if cfg.models.policy.lora is not None:
         check_only_adapters_train(policy, trainer.opt)
     critic = critic_trainer = None
@@ -170,7 +171,7 @@ def run_local(
         # ... then join into the step batch.
         r = rb.concat(parts, pad_id=tok.pad_token_id)  # type: ignore[attr-defined]
         t_score = time.perf_counter()
-        stats = compute_advantages(r, cfg.algo, cfg.generation.max_new_tokens)
+        stats = compute_advantages(r, cfg.algo, cfg.generation.max_new_tokens, cfg.generation.behaviour_logprobs)
         stats.update(ds_stats)
         stats.update(trainer.train_step(r, step=step, current_version=version))
         if critic_trainer is not None:

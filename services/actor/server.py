@@ -168,6 +168,7 @@ class Actor:
             temperature=s.temperature or g.temperature, top_p=s.top_p or g.top_p, top_k=s.top_k,
             max_new_tokens=s.max_new_tokens or g.max_new_tokens,
             stop_token_ids=tuple(s.stop_token_ids) or (self.tokenizer.eos_token_id,), seed=s.seed,
+            logprobs=g.behaviour_logprobs == "engine",
         )
 
     async def handle(self, msg: Message) -> None:

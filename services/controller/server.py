@@ -349,14 +349,16 @@ class Controller:
         log.info("resuming a journaled step", extra={"step": int(batch.step) + 1})
         # The batch holds rewards and advantages, so the row keeps its figures; the reward's
         # per-component means were not journaled and are missing from it.
-        stats = {**batch_stats(r, self.cfg.algo, self.cfg.generation.max_new_tokens), "resumed": 1.0}
+        g = self.cfg.generation
+        stats = {**batch_stats(r, self.cfg.algo, g.max_new_tokens, g.behaviour_logprobs), "resumed": 1.0}
         await self._commit_step(batch, r, stats=stats, t0=time.perf_counter())
 
     async def train_step(self, parts: list[rb.Rollout]) -> None:
         step = self.journal.step
         t0 = time.perf_counter()
         r = rb.concat(parts, pad_id=self.tokenizer.pad_token_id)
-        stats = compute_advantages(r, self.cfg.algo, self.cfg.generation.max_new_tokens)
+        g = self.cfg.generation
+        stats = compute_advantages(r, self.cfg.algo, g.max_new_tokens, g.behaviour_logprobs)
         stats.update(self.reward_parts.take(r.task_ids))
         batch = train_batch_to_proto(r, step=step, batch_id=ids.train_batch_id(step), target_version=step + 1)
         # Journaled before any Train call: a crash from here on resumes exactly this step.

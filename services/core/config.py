@@ -41,6 +41,7 @@ __all__ = [
     "SERVICE_NAMES",
     "AlgoName",
     "AlgoSection",
+    "BehaviourLogprobs",
     "ConfigError",
     "KLName",
     "LoraSpec",
@@ -59,6 +60,7 @@ __all__ = [
 ]
 
 ServiceName = Literal["controller", "actor", "critic", "reward", "reference"]
+BehaviourLogprobs = Literal["engine", "trainer"]
 SERVICE_NAMES: tuple[ServiceName, ...] = ("controller", "actor", "critic", "reward", "reference")
 SCORING_STAGES: tuple[ServiceName, ...] = ("reference", "reward", "critic")
 
@@ -113,6 +115,15 @@ class GenerationSection(_Strict):
     temperature: Annotated[float, Field(gt=0, le=10)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
+    behaviour_logprobs: BehaviourLogprobs = "engine"
+    """Who scores the sampled tokens for PPO's ratio. "engine": the engine reports each one's log-prob
+    under the sampling policy (behaviour): an on-policy batch clips against them, an off-policy one
+    against the trainer's no-grad proximal forward, weighted by proximal/behaviour (algo.decoupled).
+    "trainer": the engine computes none (vLLM's log-prob output costs ~40% of its decode throughput);
+    the trainer runs its proximal forward on every batch, on-policy too, clips against it and weights
+    nothing (TRL without its vLLM importance-sampling correction): the engine/trainer numeric mismatch
+    and a stale batch's policy lag go uncorrected. Excludes algo.kl_in "reward" (behaviour vs
+    reference); the rollout's "kl" metric is then absent (KL-in-loss still reports kl_loss)."""
     # Extra stop tokens beyond the tokenizer's EOS.
     stop_token_ids: list[int] = Field(default_factory=list)
     # Sequences per forward pass in the engine; 0 means the whole prompt batch at once.
@@ -336,6 +347,11 @@ class RunConfig(_Strict):
         if self.models.policy.lora is not None and self.endpoint("actor").trainer_ranks > 1:
             raise ValueError("models.policy.lora with services.actor.trainer_ranks > 1: LoRA adapters train on one"
                              " rank (FSDP2 sharding of a peft model is not supported); set trainer_ranks 1")
+        if (self.generation.behaviour_logprobs == "trainer" and self.algo.needs_reference
+                and self.algo.kl_in == "reward"):
+            raise ValueError("generation.behaviour_logprobs 'trainer' excludes algo.kl_in 'reward' (its KL penalty"
+                             " needs the engine's behaviour log-probs): set kl_in 'loss', or behaviour_logprobs"
+                             " 'engine'")
         ov = self.algo.overlong_buffer_len
         if ov is not None and ov > self.generation.max_new_tokens:
             raise ValueError(f"algo.overlong_buffer_len ({ov}) must be at most generation.max_new_tokens"

@@ -86,7 +86,9 @@ class AlgoSection(_Strict):
     critic_lr: Annotated[float, Field(gt=0)] = 1e-3
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
     # Decoupled PPO: clip against the proximal (current pre-update) policy and weight by
-    # exp(proximal - behaviour), which keeps off-policy batches (max_staleness > 0) stable.
+    # exp(proximal - behaviour), which keeps off-policy batches (max_staleness > 0) stable. Without
+    # engine log-probs (generation.behaviour_logprobs "trainer") every batch clips against the proximal
+    # policy and nothing is weighted: neither field then acts.
     decoupled: bool = True
     behaviour_weight_cap: Annotated[float, Field(gt=1)] = 5.0
     # Trainer speed levers (issue 16); off by default, each measured by bench/vs_trl.py.

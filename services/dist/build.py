@@ -31,7 +31,8 @@ def build_trainer(cfg: RunConfig, service: ServiceName, model: nn.Module) -> Tra
     FSDP2 replaces the parameters an optimizer would hold."""
     if service == "actor":
         return PolicyTrainer(model, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
-                             gradient_checkpointing=cfg.models.policy.gradient_checkpointing)
+                             gradient_checkpointing=cfg.models.policy.gradient_checkpointing,
+                             behaviour_logprobs=cfg.generation.behaviour_logprobs)
     spec = cfg.models.critic or cfg.models.policy
     assert isinstance(model, ValueModel)
     return ValueTrainer(model, cfg.algo, seed=cfg.run.seed, gradient_checkpointing=spec.gradient_checkpointing)

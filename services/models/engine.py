@@ -10,6 +10,9 @@ Contract every backend keeps (pinned by tests/unit/test_engine_contract.py):
   `max_new_tokens` without a stop token) or "abort" (cut short by `abort()`).
 - `logprobs[i]` is the log-prob of `token_ids[i]` under `log_softmax(logits / temperature)` over the
   full vocabulary, before top-k/top-p filtering (at temperature 0, greedy, under `log_softmax(logits)`).
+  With `params.logprobs` False the engine computes none (vLLM's per-token log-prob output is a large
+  share of its decode time) and `logprobs` is all zeros, meaning "not computed"; the tokens drawn are
+  the same either way.
 - Sampling is seeded per row: prompt i of a call draws from its own stream, seeded by
   (`params.seed`, `params.first_row + i`), so the same prompts, params and weights give the same
   completions in every process, however the prompts are batched or spread over engine replicas
@@ -69,8 +72,13 @@ class SamplingParams:
     # The index of this call's first prompt in the request it is a slice of: prompt i of the call is
     # seeded as row first_row + i, so a request spread over replicas samples as one call would.
     first_row: int = 0
+    # Whether to compute each sampled token's log-prob; False leaves Completion.logprobs zeros (the
+    # trainer then scores the tokens itself: generation.behaviour_logprobs "trainer").
+    logprobs: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:

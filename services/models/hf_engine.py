@@ -58,7 +58,8 @@ def _output_cache(out: Any) -> Any:
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | Sequence[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row from `[B, V]` logits; returns (tokens [B], their log-probs [B]).
+    """Sample one token per row from `[B, V]` logits; returns (tokens [B], their log-probs [B], zeros
+    when `params.logprobs` is False).
     `generator` is one stream for every row, or one per row (what the engine uses: a row then draws
     the same tokens whatever else is in its batch).
 
@@ -70,11 +71,9 @@ def sample_next(
     """
     logits = logits.float()
     if params.temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, _token_logprobs(logits, tokens, params.logprobs)
     scaled = logits / params.temperature
-    logp = torch.log_softmax(scaled, dim=-1)
     filtered = scaled
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
@@ -92,7 +91,13 @@ def sample_next(
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     else:
         tokens = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generator)])
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, _token_logprobs(scaled, tokens, params.logprobs)
+
+
+def _token_logprobs(scores: torch.Tensor, tokens: torch.Tensor, wanted: bool) -> torch.Tensor:
+    if not wanted:  # "not computed": the full-vocabulary log_softmax is skipped
+        return torch.zeros(tokens.shape, dtype=scores.dtype, device=scores.device)
+    return torch.log_softmax(scores, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
 class TransformersEngine:

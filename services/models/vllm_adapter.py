@@ -3,6 +3,7 @@
 - Worker-side functions, run through `LLM.collective_rpc` (in this process: the engine core is
   in-process): the sampler patch that makes "processed" log-probs `log_softmax(logits / T)` before
   top-k/top-p, one bucket of a weight sync, and the model's device and dtype.
+- Our `SamplingParams` in vLLM's terms (`sampling_kwargs`).
 - Reading vLLM's outputs into ours: per-token log-probs (flat or dict layout) and finish reasons.
 - Start-up options in vLLM's terms: CUDA-graph capture sizes and the compile cache.
 
@@ -11,12 +12,13 @@ Nothing here imports vllm at module level: the backend stays importable without 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.models.engine import EngineError, FinishReason
+from services.models.engine import EngineError, FinishReason, SamplingParams
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 
@@ -85,6 +87,20 @@ def load_bucket(w: Any, bucket: list[tuple[str, torch.Tensor]]) -> int:
 def model_param_info(w: Any) -> tuple[str, str]:
     p = next(_worker(w).get_model().parameters())
     return str(p.device), str(p.dtype).removeprefix("torch.")
+
+
+def sampling_kwargs(params: SamplingParams, eos: Iterable[int], seed: int) -> dict[str, Any]:
+    """`vllm.SamplingParams` keyword arguments of one prompt of a generate call, `seed` its own. The
+    sampled token's log-prob is asked for only with `params.logprobs`: vLLM's per-token log-prob
+    output costs a large share of its decode throughput."""
+    kw: dict[str, Any] = {
+        "n": 1, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+        "max_tokens": params.max_new_tokens, "stop_token_ids": sorted(set(eos) | set(params.stop_token_ids)),
+        "ignore_eos": False, "seed": seed, "detokenize": False, "skip_special_tokens": False,
+    }
+    if params.logprobs:
+        kw.update(logprobs=0, flat_logprobs=True)  # the sampled token's log-prob only
+    return kw
 
 
 def sampled_logprobs(logprobs: Any, token_ids: list[int], skip_first: bool = False) -> list[float]:

@@ -57,6 +57,7 @@ from services.models.vllm_adapter import (
     model_param_info,
     patch_sampler,
     sampled_logprobs,
+    sampling_kwargs,
 )
 from services.models.weights import (
     alias_expand,
@@ -320,22 +321,9 @@ class VLLMEngine:
     def sampling_params(self, params: SamplingParams, row: int) -> Any:
         from vllm.sampling_params import RequestOutputKind
 
-        stops = sorted(set(self._eos) | set(params.stop_token_ids))
-        return self._vllm.SamplingParams(
-            n=1,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_tokens=params.max_new_tokens,
-            stop_token_ids=stops,
-            ignore_eos=False,
-            seed=request_seed(params.seed, params.first_row + row),  # a replica slice seeds as the whole call
-            logprobs=0,  # the sampled token's log-prob only
-            flat_logprobs=True,
-            detokenize=False,
-            skip_special_tokens=False,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        seed = request_seed(params.seed, params.first_row + row)  # a replica slice seeds as the whole call
+        return self._vllm.SamplingParams(**sampling_kwargs(params, self._eos, seed),
+                                         output_kind=RequestOutputKind.DELTA)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         check_prompts(prompts, self._vocab)
@@ -370,7 +358,8 @@ class VLLMEngine:
                     c = out.outputs[0]
                     new = list(c.token_ids)
                     toks[i].extend(new)
-                    lps[i].extend(sampled_logprobs(c.logprobs, new))
+                    lps[i].extend(sampled_logprobs(c.logprobs, new) if vparams[i].logprobs is not None
+                                  else [0.0] * len(new))  # not asked for: "not computed"
                     if out.finished:
                         reasons[i] = finish_reason(c.finish_reason)
                         pending -= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.core.config import AlgoSection
+from services.core.config import AlgoSection, BehaviourLogprobs
 from services.rl.advantages import (
     gae,
     group_mean_baseline,
@@ -24,10 +24,12 @@ class MissingScores(ValueError):
     pass
 
 
-def compute_advantages(r: Rollout, algo: AlgoSection, max_new_tokens: int | None = None) -> dict[str, float]:
+def compute_advantages(r: Rollout, algo: AlgoSection, max_new_tokens: int | None = None,
+                       behaviour_logprobs: BehaviourLogprobs = "engine") -> dict[str, float]:
     """Fill `r.advantages` (and `r.returns` for PPO) in place; return step statistics.
 
-    `max_new_tokens` is the generation budget DAPO's overlong shaping measures lengths against.
+    `max_new_tokens` is the generation budget DAPO's overlong shaping measures lengths against;
+    `behaviour_logprobs` is generation.behaviour_logprobs ("trainer": the rollout's are not computed).
     """
     mask = r.response_mask
     if r.rewards is None:
@@ -36,7 +38,7 @@ def compute_advantages(r: Rollout, algo: AlgoSection, max_new_tokens: int | None
     penalty = _overlong(r, algo, max_new_tokens)
     if penalty is not None:
         scores = scores + penalty
-    kl = _kl(r, algo)
+    kl = _kl(r, algo, behaviour_logprobs)
     in_reward = algo.kl_coef if (kl is not None and algo.kl_in == "reward") else 0.0
 
     if algo.name == "ppo":
@@ -60,12 +62,13 @@ def compute_advantages(r: Rollout, algo: AlgoSection, max_new_tokens: int | None
     return _stats(r, penalty, kl)
 
 
-def batch_stats(r: Rollout, algo: AlgoSection, max_new_tokens: int | None = None) -> dict[str, float]:
+def batch_stats(r: Rollout, algo: AlgoSection, max_new_tokens: int | None = None,
+                behaviour_logprobs: BehaviourLogprobs = "engine") -> dict[str, float]:
     """The step statistics of a rollout whose advantages are already computed: what a step resumed
     from its journaled batch reports, identical to what `compute_advantages` returned for it."""
     if r.rewards is None or r.advantages is None:
         raise MissingScores("the batch carries no rewards or advantages")
-    return _stats(r, _overlong(r, algo, max_new_tokens), _kl(r, algo))
+    return _stats(r, _overlong(r, algo, max_new_tokens), _kl(r, algo, behaviour_logprobs))
 
 
 def _overlong(r: Rollout, algo: AlgoSection, max_new_tokens: int | None) -> torch.Tensor | None:
@@ -77,11 +80,17 @@ def _overlong(r: Rollout, algo: AlgoSection, max_new_tokens: int | None) -> torc
     return overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty_factor)
 
 
-def _kl(r: Rollout, algo: AlgoSection) -> torch.Tensor | None:
+def _kl(r: Rollout, algo: AlgoSection, behaviour_logprobs: BehaviourLogprobs) -> torch.Tensor | None:
     if not algo.needs_reference:
         return None
     if r.ref_logprobs is None:
         raise MissingScores("kl_coef > 0 but the rollout has no reference log-probs")
+    if behaviour_logprobs == "trainer":
+        # Zeros, not log-probs: no KL from them, neither a penalty (the config refuses kl_in reward)
+        # nor the "kl" metric, which would be garbage.
+        if algo.kl_in == "reward":
+            raise ValueError("kl_in 'reward' needs behaviour log-probs; generation.behaviour_logprobs is 'trainer'")
+        return None
     kind = algo.kl_estimator_reward if algo.kl_in == "reward" else algo.kl_estimator
     return kl_estimate(r.behaviour_logprobs.float(), r.ref_logprobs.float(), kind, algo.kl_clamp)
 

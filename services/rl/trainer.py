@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from services.core.config import AlgoSection
+from services.core.config import AlgoSection, BehaviourLogprobs
 from services.models.critic import ValueModel
 from services.models.logprobs import compile_decoder, response_logprobs
 from services.rl.batch import Rollout
@@ -71,11 +71,12 @@ class PolicyTrainer:
     move one micro-batch at a time."""
 
     def __init__(self, model: nn.Module, algo: AlgoSection, temperature: float, seed: int = 0,
-                 gradient_checkpointing: bool = False) -> None:
+                 gradient_checkpointing: bool = False, behaviour_logprobs: BehaviourLogprobs = "engine") -> None:
         self.model = model
         self.algo = algo
         self.temperature = temperature
         self.seed = seed
+        self.behaviour_logprobs = behaviour_logprobs  # generation.behaviour_logprobs
         self.device = _device_of(model)
         self.split: SplitFn = micro_plan
         if gradient_checkpointing:
@@ -106,11 +107,14 @@ class PolicyTrainer:
         # Off-policy rows (generated under an older version) are clipped against the proximal policy,
         # i.e. the weights right before this step, and weighted by proximal/behaviour (decoupled PPO).
         # A fully on-policy batch skips the extra forward: proximal and behaviour are the same weights.
+        # Without engine log-probs (behaviour_logprobs "trainer": the rollout's are zeros) every batch
+        # clips against the proximal forward and nothing weights it by the behaviour policy.
         versions = r.versions if r.versions is not None else torch.full((len(r),), r.version)
         off_policy = algo.decoupled and bool((versions < current_version).any())
+        engine_logprobs = self.behaviour_logprobs == "engine"
         # A response's sum is divided by one constant whatever width its micro-batch is cut to.
         norm_len = algo.loss_norm_len or r.response_ids.shape[1]
-        if off_policy:
+        if off_policy or not engine_logprobs:
             with torch.no_grad():
                 old = score_rows(
                     r, self.device, lambda p: self._logprobs(p, False)[0],
@@ -118,7 +122,7 @@ class PolicyTrainer:
                     size=algo.micro_batch_size or algo.minibatch_size, tokens=algo.micro_batch_tokens,
                     pack=algo.pack_sequences,
                 )
-            behaviour: torch.Tensor | None = r.behaviour_logprobs
+            behaviour: torch.Tensor | None = r.behaviour_logprobs if engine_logprobs else None
         else:
             old, behaviour = r.behaviour_logprobs, None
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,20 @@ def test_engine_logprobs_equal_trainer_logprobs_of_the_same_tokens(
                                r.response_mask, temperature=trainer_temperature)
     assert r.response_mask.sum() > len(prompts)  # something was generated
     torch.testing.assert_close(r.behaviour_logprobs[r.response_mask], lp[r.response_mask], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=10, seed=4),
+                                    SamplingParams(temperature=0.0, max_new_tokens=10)], ids=["sampled", "greedy"])
+def test_generation_without_logprobs_draws_the_same_tokens_and_reports_zeros(
+    new_engine: Callable[..., GenerationEngine], prompts: list[list[int]], params: SamplingParams,
+) -> None:
+    # generation.behaviour_logprobs "trainer": the engine skips the log-probs, never the sampling.
+    engine = new_engine()
+    scored, unscored = engine.generate(prompts, params), engine.generate(prompts, replace(params, logprobs=False))
+    assert _rows(unscored) == _rows(scored) and sum(map(len, _rows(unscored))) > len(prompts)
+    assert [c.finish_reason for c in unscored] == [c.finish_reason for c in scored]
+    assert all(c.logprobs == [0.0] * len(c.token_ids) for c in unscored)
+    assert any(lp < 0 for c in scored for lp in c.logprobs)
 
 
 def test_seeded_generation_is_reproducible(

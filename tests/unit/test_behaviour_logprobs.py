@@ -1,0 +1,140 @@
+"""generation.behaviour_logprobs "trainer" (issue 16): the engine computes no per-token log-probs and the
+trainer's no-grad proximal forward is PPO's `old` on every batch, with no behaviour weight. What needs
+behaviour log-probs is refused at config time; the rollout's KL metric is left out instead of
+reporting KL from zeros."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from services.core.config import AlgoSection, ConfigError, parse_config
+from services.models.engine import SamplingParams
+from services.models.logprobs import response_logprobs
+from services.models.vllm_adapter import sampling_kwargs
+from services.rl.batch import Rollout
+from services.rl.pipeline import batch_stats, compute_advantages
+from services.rl.trainer import PolicyTrainer
+
+VOCAB = 64
+TEMPERATURE = 0.9
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# -- config ------------------------------------------------------------------------------------------
+def test_trainer_logprobs_refuse_a_kl_penalty_in_the_reward_naming_both_fields() -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config({"generation": {"behaviour_logprobs": "trainer"}, "algo": {"kl_coef": 0.1, "kl_in": "reward"}})
+    assert "generation.behaviour_logprobs" in str(e.value) and "algo.kl_in" in str(e.value)
+    # KL in the loss compares the trainer's own log-probs with the reference's: allowed.
+    cfg = parse_config({"generation": {"behaviour_logprobs": "trainer"}, "algo": {"kl_coef": 0.1, "kl_in": "loss"}})
+    assert cfg.generation.behaviour_logprobs == "trainer"
+    assert parse_config({}).generation.behaviour_logprobs == "engine"
+
+
+def test_sampling_params_refuse_a_non_bool_logprobs_switch() -> None:
+    with pytest.raises(ValueError, match="logprobs must be a bool"):
+        SamplingParams(logprobs=0)  # type: ignore[arg-type]
+
+
+# -- vLLM's request ----------------------------------------------------------------------------------
+def test_vllm_requests_ask_for_the_sampled_logprob_only_when_wanted() -> None:
+    on = sampling_kwargs(SamplingParams(temperature=0.7, top_k=5, max_new_tokens=9, stop_token_ids=(3,)), (2,), 11)
+    off = sampling_kwargs(SamplingParams(temperature=0.7, top_k=5, max_new_tokens=9, stop_token_ids=(3,),
+                                         logprobs=False), (2,), 11)
+    assert on["logprobs"] == 0 and on["flat_logprobs"] is True
+    assert "logprobs" not in off and "flat_logprobs" not in off  # vLLM's default: none
+    assert {k: v for k, v in on.items() if k not in ("logprobs", "flat_logprobs")} == off
+    assert off["stop_token_ids"] == [2, 3] and off["seed"] == 11 and off["max_tokens"] == 9
+
+
+# -- trainer -----------------------------------------------------------------------------------------
+def _model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      intermediate_size=64, vocab_size=VOCAB, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def _rollout(versions: list[int], b: int = 6, p: int = 3, r: int = 5) -> Rollout:
+    g = torch.Generator().manual_seed(1)
+    resp_mask = torch.ones(b, r, dtype=torch.bool)
+    for i in range(b):  # ragged responses
+        resp_mask[i, 1 + (i * 2) % r:] = False
+    prompt_mask = torch.ones(b, p, dtype=torch.bool)
+    prompt_mask[0, 0] = False  # left padding
+    return Rollout(
+        task_ids=[f"t{i}" for i in range(b)],
+        prompt_ids=torch.randint(1, VOCAB, (b, p), generator=g), prompt_mask=prompt_mask,
+        response_ids=torch.randint(1, VOCAB, (b, r), generator=g), response_mask=resp_mask,
+        behaviour_logprobs=torch.zeros(b, r),  # what a "trainer" rollout carries: not computed
+        group_ids=torch.arange(b) // 2, versions=torch.tensor(versions), version=max(versions),
+        advantages=torch.randn(b, r, generator=g),
+    )
+
+
+def _train(r: Rollout, mode: str, current_version: int, **algo: object) -> tuple[list[torch.Tensor], dict[str, float]]:
+    # Two minibatches and two epochs: after the first update the ratio is no longer 1, so `old` matters.
+    a = AlgoSection(name="grpo", minibatch_size=3, ppo_epochs=2, lr=1e-2, clip_eps=0.05, **algo)  # type: ignore[arg-type]
+    t = PolicyTrainer(copy.deepcopy(_model()), a, temperature=TEMPERATURE, behaviour_logprobs=mode)  # type: ignore[arg-type]
+    stats = t.train_step(r, step=0, current_version=current_version)
+    return [p.detach().clone() for p in t.model.parameters()], stats
+
+
+def _exact_behaviour(r: Rollout) -> Rollout:
+    """`r` with the log-probs the engine would have reported for it under `_model()`'s weights."""
+    out = copy.copy(r)
+    with torch.no_grad():
+        lp = response_logprobs(_model(), r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask,
+                               temperature=TEMPERATURE)
+    out.behaviour_logprobs = torch.where(r.response_mask, lp, torch.zeros_like(lp))
+    return out
+
+
+def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor], tol: float = 1e-5) -> None:
+    num = sum(float((x - y).norm() ** 2) for x, y in zip(a, b, strict=True)) ** 0.5
+    den = sum(float(x.norm() ** 2) for x in a) ** 0.5
+    assert num / den < tol, (num, den)
+
+
+def test_trainer_mode_on_policy_step_equals_an_engine_step_fed_exact_behaviour_logprobs() -> None:
+    r = _rollout([0] * 6)
+    engine_params, engine_stats = _train(_exact_behaviour(r), "engine", current_version=0)
+    trainer_params, trainer_stats = _train(r, "trainer", current_version=0)  # zeros: the proximal forward is `old`
+    _assert_same(engine_params, trainer_params)
+    for k in ("policy_loss", "clip_frac", "approx_kl", "ratio_mean", "entropy", "grad_norm"):
+        assert trainer_stats[k] == pytest.approx(engine_stats[k], rel=1e-4, abs=1e-6), k
+    assert engine_stats["clip_frac"] > 0  # the second epoch clips: `old` really shaped the update
+    # Fed zeros as behaviour log-probs, the engine mode's step is another one.
+    wrong, _ = _train(r, "engine", current_version=0)
+    with pytest.raises(AssertionError):
+        _assert_same(wrong, trainer_params)
+
+
+def test_trainer_mode_off_policy_step_applies_no_behaviour_weight() -> None:
+    r = _rollout([0, 0, 1, 1, 1, 1])  # rows of version 0 are a version behind
+    noisy = copy.copy(r)
+    noisy.behaviour_logprobs = -torch.rand(r.response_ids.shape, generator=torch.Generator().manual_seed(2)) * 3
+    params, stats = _train(r, "trainer", current_version=1)
+    assert stats["off_policy"] == 1.0 and stats["behaviour_weight_mean"] == 1.0
+    # Whatever the rollout carries as behaviour log-probs, a "trainer" step never reads them ...
+    _assert_same(params, _train(noisy, "trainer", current_version=1)[0], tol=1e-7)
+    # ... where the engine mode weights by them (decoupled PPO).
+    assert _train(noisy, "engine", current_version=1)[1]["behaviour_weight_mean"] != pytest.approx(1.0)
+
+
+# -- the rollout's KL metric -------------------------------------------------------------------------
+def test_trainer_mode_leaves_the_kl_metric_out_instead_of_reporting_kl_from_zeros() -> None:
+    algo = AlgoSection(name="grpo", kl_coef=0.1, kl_in="loss")
+    r = _rollout([0] * 6)
+    r.rewards, r.ref_logprobs = torch.arange(6.0), -torch.rand(r.response_ids.shape)
+    assert "kl" in compute_advantages(copy.copy(r), algo)
+    stats = compute_advantages(r, algo, behaviour_logprobs="trainer")
+    assert "kl" not in stats and "reward_mean" in stats
+    assert "kl" not in batch_stats(r, algo, behaviour_logprobs="trainer")
+    with pytest.raises(ValueError, match="behaviour_logprobs"):  # past the config check: still no penalty from zeros
+        compute_advantages(r, AlgoSection(name="grpo", kl_coef=0.1, kl_in="reward"), behaviour_logprobs="trainer")
