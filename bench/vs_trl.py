@@ -14,7 +14,7 @@ the loss), lr 1e-6, one epoch, one optimizer step per step, micro-batches of 16 
 Phases (each its own process, so each starts with the GPU to itself), grouped so that one group fits one
 device call of at most 10 minutes (`plan` prints the estimates, seconds measured on the H200 run of
 2026-12-01): `peers` (TRL with vLLM and vLLM alone, both workloads), `0.5b` and `1.5b` (the three fleet
-repeats), `peers2` (TRL with generate), `levers` and `levers2`. All of them take ~44 minutes, more than
+repeats), `peers2` (TRL with generate), `levers` and `levers2`. All of them take ~47 minutes, more than
 one 30-minute device session holds: the first four groups (~30 min) are the rows the targets are read
 from; the levers take a second session. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
@@ -25,7 +25,8 @@ peers import on the host, and skips a phase that would not finish before `--dead
 - `vllm-alone-<w>`: vLLM's own `LLM.generate` on the same prompts, plain and with per-token log-probs:
   the generation floor.
 - `trl-0.5b`: TRL with `model.generate` (the second peer row).
-- `fleet-0.5b-<lever>`: one lever of issue 16 on top of `fleet-0.5b`: `chunked` (algo.logprob_chunk_tokens),
+- `fleet-0.5b-<lever>`: one lever of issue 16 on top of `fleet-0.5b`: `nolp` (generation.behaviour_logprobs:
+  trainer, no per-token log-probs from vLLM), `chunked` (algo.logprob_chunk_tokens),
   `fused` (algo.fused_optimizer), `compile` (algo.compile), `graphs` (generation.vllm.cudagraph_max_batch
   plus a compile cache under the run directory).
 - `extra` (not default): PPO with a critic, the transformers engine, the engine inside the actor.
@@ -102,6 +103,8 @@ class Phase:
 
 
 LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # generation.behaviour_logprobs: trainer (no per-token log-probs from vLLM; see fleet_config)
+    "nolp": ({}, {}),
     "chunked": ({"logprob_chunk_tokens": 1024}, {}),
     "fused": ({"fused_optimizer": True}, {}),
     "compile": ({"compile": True}, {}),
@@ -129,7 +132,7 @@ def phases() -> list[Phase]:
     out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
     for lever, (algo_opts, vllm_opts) in LEVERS.items():
         # compile and graphs compile from cold: about a minute more than the baseline's start
-        g = "levers" if lever in ("chunked", "fused") else "levers2"
+        g = "levers" if lever in ("nolp", "chunked", "fused") else "levers2"
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", g, est["fleet-0.5b"] + (60 if g == "levers2" else 0),
                          algo_opts=algo_opts, vllm_opts=vllm_opts, lever=lever))
     out += [Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 200, algo="ppo"),
@@ -375,6 +378,7 @@ def fleet_config(p: Phase, model: Path, port_base: int, dry: bool = DRY) -> dict
                  **algo_opts},
         # A dry run has no vLLM: the transformers engine stands in, so the harness itself is exercised.
         "generation": {"engine": p.engine, "device": device, "process": p.process,
+                       **({"behaviour_logprobs": "trainer"} if p.lever == "nolp" and not dry else {}),
                        "max_new_tokens": W["completion_tokens"], "temperature": 1.0,
                        "micro_batch": 0,  # vLLM: no cap on sequences per engine step
                        **({} if p.engine != "vllm" else

@@ -27,7 +27,8 @@ STAGES = ("generate", "reference", "reward", "critic", "advantage", "actor_train
 REPEATS = ("r1", "r2", "r3")
 TARGET_RATIO = {"0.5b": 2.0, "1.5b": 1.6}
 TARGET_SPREAD, TARGET_UTIL, TARGET_TTFS_GAP = 0.10, 85.0, 30.0
-LEVER_LABEL = {"chunked": "chunked log-probs (`algo.logprob_chunk_tokens: 1024`)",
+LEVER_LABEL = {"nolp": "no log-probs from vLLM, the trainer scores (`generation.behaviour_logprobs: trainer`)",
+               "chunked": "chunked log-probs (`algo.logprob_chunk_tokens: 1024`)",
                "fused": "fused AdamW (`algo.fused_optimizer`)",
                "compile": "torch.compile of trainer and reference (`algo.compile`)",
                "graphs": "CUDA graphs up to 256 sequences + compile cache in RUN_DIR (`generation.vllm`)"}
