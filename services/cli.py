@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.resources
 import json
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -126,12 +127,34 @@ def _fleet_table(status: dict[str, Any], cfg: RunConfig) -> Any:
 def _cmd_up(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from services.fleet import Fleet
+    from services.fleet import INTERRUPT_GRACE_S, Fleet
 
     cfg = _load(args)
-    cfg.check_secrets()  # before anything starts: a configured secret that is missing fails closed
     console = Console()
     fleet = Fleet(cfg, restart_budget=args.restart_budget)
+    # From here on SIGINT and SIGTERM stop the launcher and everything it started, at any moment.
+    with fleet.stop_on_signals():
+        try:
+            return _up(fleet, cfg, args, console)
+        except KeyboardInterrupt as err:  # Interrupted, or a Ctrl-C that came before the handler
+            return _interrupted(getattr(err, "signum", signal.SIGINT))
+        except Exception as err:
+            if fleet.stop_signal is None:
+                raise
+            # A library turned the interrupt into an error of its own (a module half imported): the
+            # user asked to stop, and the fleet stops; the traceback goes to the log only.
+            _keep_traceback("up", err)
+            return _interrupted(fleet.stop_signal)
+        finally:
+            interrupted = fleet.stop_signal is not None
+            fleet.stop(grace_s=INTERRUPT_GRACE_S if interrupted else 30.0)
+            if fleet.procs:  # a report only for a run that started; never in place of the real error
+                with fleet.hold_signals():  # matplotlib's import, like torch's, is not to be interrupted
+                    _report(fleet, cfg, console, interrupted)
+
+
+def _up(fleet: Any, cfg: RunConfig, args: argparse.Namespace, console: Any) -> int:
+    cfg.check_secrets()  # before anything starts: a configured secret that is missing fails closed
     state = fleet.preflight()  # nothing started yet: a failure here leaves nothing to stop
     if state.step >= cfg.run.max_steps:
         print(f"run already finished ({state.step} steps) in {fleet.run_dir}; use --max-steps to extend")
@@ -143,31 +166,42 @@ def _cmd_up(args: argparse.Namespace) -> int:
         console.print(f"[bold]rlfleet up[/]: preparing {cfg.run.name} in {fleet.run_dir}")
     from services.core.entry import quiet_torch
 
-    try:
-        fleet.reserve_ports()  # checked before torch loads: a taken port is a one-second failure
+    fleet.reserve_ports()  # checked before torch loads: a taken port is a one-second failure
+    with fleet.hold_signals(nothing_started=True):  # a KeyboardInterrupt in torch's import is lost or aborts it
         quiet_torch()
-        fleet.prepare()
-        fleet.start(ready_timeout_s=args.ready_timeout)
-        assert fleet.cfg is not None
-        console.print(f"all services ready: {', '.join(fleet.procs)}; logs in {fleet.run_dir / 'logs'}")
-        code = _supervise(fleet, console, args.progress_every)
-        console.print(f"run finished: metrics {fleet.run_dir / 'metrics.jsonl'}")
-        if code == 0:
-            fleet.stop()  # the actor checkpoints its final version as it drains; the export reads it
-            code = _export_final(fleet.run_dir, console)
-        return code
-    except KeyboardInterrupt:
-        print("interrupted: stopping the fleet", file=sys.stderr)
-        return 130
-    finally:
-        fleet.stop()
-        if fleet.procs:  # a report only for a run that started; never in place of the real error
-            from services.report import write_report
+    fleet.prepare()
+    fleet.start(ready_timeout_s=args.ready_timeout)
+    assert fleet.cfg is not None
+    console.print(f"all services ready: {', '.join(fleet.procs)}; logs in {fleet.run_dir / 'logs'}")
+    code = _supervise(fleet, console, args.progress_every)
+    console.print(f"run finished: metrics {fleet.run_dir / 'metrics.jsonl'}")
+    if code == 0:
+        fleet.stop()  # the actor checkpoints its final version as it drains; the export reads it
+        fleet.check_stop()
+        code = _export_final(fleet.run_dir, console)
+    return code
 
-            try:
-                console.print(f"report: {write_report(fleet.run_dir, title=f'rlfleet {cfg.run.name}')}")
-            except OSError as err:
-                log.warning("report not written: %s", err)
+
+def _interrupted(signum: int) -> int:
+    """The one line for a launcher stopped by a signal; its exit code is the shell's 128 + signal."""
+    from services.fleet import stop_line
+
+    print(f"{stop_line(signum)}: stopping the fleet", file=sys.stderr)
+    return 128 + signum
+
+
+def _report(fleet: Any, cfg: RunConfig, console: Any, interrupted: bool) -> None:
+    from services.report import write_report
+
+    try:
+        console.print(f"report: {write_report(fleet.run_dir, title=f'rlfleet {cfg.run.name}')}")
+    except OSError as err:
+        log.warning("report not written: %s", err)
+    except Exception:
+        if not interrupted:
+            raise
+        # After an interrupt a library the report needs may be half imported (see Fleet.stop_on_signals).
+        log.warning("report not written after a stop signal", exc_info=True)
 
 
 def _export_final(run_dir: Path, console: Any) -> int:

@@ -8,16 +8,19 @@ exits 0 after its last step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -34,6 +37,24 @@ log = logging.getLogger("rlfleet.fleet")
 
 class FleetError(RuntimeError):
     pass
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the launcher (`Fleet.stop_on_signals`): stop everything it started."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum  # `rlfleet up` exits 128 + signum, the shell's convention (130, 143)
+
+
+def stop_line(signum: int) -> str:
+    """What `rlfleet up` says when a signal stops it."""
+    return "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+INTERRUPT_GRACE_S = 10.0  # after a signal: how long services get to drain before SIGKILL
+HARD_EXIT_S = 25.0  # after a signal: the launcher kills what it started and exits, whatever it is doing
 
 
 @dataclass
@@ -97,6 +118,77 @@ class Fleet:
         self.state: RunState | None = None
         self.ports: dict[str, int] | None = None
         self.owner = f"rlfleet up pid {os.getpid()}, run {self.run_dir}"
+        self.stop_signal: int | None = None  # the SIGINT/SIGTERM that asked this launcher to stop
+        self._holding = 0  # > 0: in a hold_signals block; a signal is recorded, raised after it
+        self._stopping = False
+        self._nothing_started = False
+        self._claimed = False  # ports claimed host-wide (reserve_ports): stop releases them
+
+    # -- signals ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stop_on_signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM stop the launcher at any moment of start-up or supervision. The first
+        raises `Interrupted` where the launcher is (or right after the `hold_signals` block it came
+        in), and is recorded too, since a library can swallow the exception: torch's import
+        initialises numpy from C and drops any error raised meanwhile, KeyboardInterrupt included,
+        and the run then went on as if no signal had come. So every step of start-up and every
+        supervision tick checks the record (`check_stop`). A watchdog kills whatever still runs
+        HARD_EXIT_S after the signal, and exits; a second signal does that at once. Only `rlfleet
+        up` (the main thread of its own process) uses this."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop_signal is not None:
+            self._hard_exit(signum, "rlfleet up: second signal: killed the fleet")
+        self.stop_signal = signum
+        if self._holding and self._nothing_started:
+            # An import that must not be interrupted (see hold_signals), with nothing to stop yet.
+            self._hard_exit(signum, f"{stop_line(signum)}: nothing was started yet")
+        threading.Thread(target=self._watchdog, args=(signum,), name="stop-watchdog", daemon=True).start()
+        if not self._holding and not self._stopping:
+            raise Interrupted(signum)
+
+    def _watchdog(self, signum: int) -> None:
+        time.sleep(HARD_EXIT_S)
+        self._hard_exit(signum, f"rlfleet up: still stopping {HARD_EXIT_S:.0f}s after the signal: killed the fleet")
+
+    def _hard_exit(self, signum: int, line: str) -> None:
+        self.kill()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a reentrant flush (from a signal handler) raises
+                stream.flush()
+        with contextlib.suppress(OSError):
+            os.write(2, f"{line}\n".encode())
+        os._exit(128 + signum)  # what a port claim of this pid holds is dropped by the next launcher
+
+    def check_stop(self) -> None:
+        """Raise `Interrupted` if a signal asked this launcher to stop (and was swallowed on the way)."""
+        if self.stop_signal is not None and not self._stopping:
+            raise Interrupted(self.stop_signal)
+
+    @contextlib.contextmanager
+    def hold_signals(self, nothing_started: bool = False) -> Iterator[None]:
+        """A stop signal that arrives in this block is recorded and raised right after it. For what
+        an exception must not interrupt: starting a child and recording it (else an orphan nothing
+        stops), and importing torch, which drops the exception or aborts the process on it (raised
+        in a callback of its C++ code: `terminate called after throwing ... KeyboardInterrupt`).
+        `nothing_started`: no child runs yet (the imports before Redis starts), so a signal need not
+        wait for the block to end: the launcher exits at once. Otherwise bounded by the watchdog."""
+        before = self.stop_signal
+        self._holding += 1
+        self._nothing_started = nothing_started and not self.procs and self.redis is None
+        try:
+            yield
+        finally:
+            self._holding -= 1
+            self._nothing_started = False
+        if before is None:  # one raised before this block has been dealt with by who caught it
+            self.check_stop()
 
     # -- start-up --------------------------------------------------------------------------------
     def preflight(self) -> RunState:
@@ -111,25 +203,30 @@ class Fleet:
         """Choose (and claim host-wide) every port the fleet binds, and check each is free, before
         anything binds one: "<service> grpc_port" / "<service> http_port" / "redis-server port"."""
         if self.ports is None:
+            self._claimed = True
             private_redis = self.base_cfg.redis.url is None
             self.ports = assign_ports(port_requests(self.base_cfg, private_redis), owner=self.owner)
         return self.ports
 
     def prepare(self) -> RunConfig:
-        from services.models.roles import prepare as prepare_models
+        with self.hold_signals(nothing_started=True):  # loads transformers and torch: see hold_signals
+            from services.models.roles import prepare as prepare_models
 
         self.preflight()
         ports = self.reserve_ports()
         private_redis = self.base_cfg.redis.url is None
         (self.run_dir / "logs").mkdir(exist_ok=True)
         redis_url = None
+        self.check_stop()
         if private_redis:
-            self.redis = start_redis(self.run_dir / "redis", port=ports["redis-server port"],
-                                     password=self.base_cfg.redis_password())
+            with self.hold_signals():  # bounded: start_redis gives up after 10s
+                self.redis = start_redis(self.run_dir / "redis", port=ports["redis-server port"],
+                                         password=self.base_cfg.redis_password())
             redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"  # password travels via env only
         cfg = resolve_fleet_config(self.base_cfg, redis_url, ports)
         # Build the tiny model once here, so services never race to build it.
         prepare_models(cfg)
+        self.check_stop()
         self.config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         self.cfg = cfg
         return cfg
@@ -184,10 +281,17 @@ class Fleet:
         # Scorers and the actor first: the controller starts admitting as soon as it is ready.
         order = [n for n in cfg.services_needed() if n != "controller"] + ["controller"]
         for name in order:
-            self.procs[name] = self._spawn(name)  # type: ignore[arg-type]
+            self._launch(name, name)  # type: ignore[arg-type]
             for k in range(1, cfg.endpoint(name).replicas):  # type: ignore[arg-type]
-                self.procs[f"{name}-{k}"] = self._spawn(name, replica=k)  # type: ignore[arg-type]
+                self._launch(f"{name}-{k}", name, replica=k)  # type: ignore[arg-type]
         self.wait_ready(ready_timeout_s)
+
+    def _launch(self, key: str, name: ServiceName, replica: int = 0, restarts: int = 0) -> None:
+        self.check_stop()
+        with self.hold_signals():
+            sp = self._spawn(name, replica)
+            sp.restarts = restarts
+            self.procs[key] = sp
 
     def http(self, name: str, path: str, timeout: float = 2.0) -> httpx.Response:
         assert self.cfg is not None
@@ -205,6 +309,7 @@ class Fleet:
         deadline = time.monotonic() + timeout_s
         waiting = set(self.procs)
         while waiting:
+            self.check_stop()
             for name in list(waiting):
                 sp = self.procs[name]
                 if not sp.alive:
@@ -236,6 +341,7 @@ class Fleet:
         """Run until the controller finishes; restart dead services within the budget."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            self.check_stop()
             ctl = self.procs["controller"]
             if not ctl.alive and ctl.proc.returncode == 0:
                 return 0
@@ -245,9 +351,7 @@ class Fleet:
                 if sp.proc.returncode == 0:
                     # Drained on purpose (`rlfleet swap`, a rolling update): start the replacement.
                     log.info("service drained; starting its replacement", extra={"service": name})
-                    new = self._spawn(sp.name, sp.replica)
-                    new.restarts = sp.restarts
-                    self.procs[name] = new
+                    self._launch(name, sp.name, sp.replica, restarts=sp.restarts)
                     continue
                 if sp.proc.returncode == 2:
                     # Exit code 2 is a configuration the service cannot run with (services.core.entry,
@@ -259,9 +363,7 @@ class Fleet:
                                      f" (log: {sp.log_path})")
                 log.warning("service died; restarting",
                             extra={"service": name, "code": sp.proc.returncode, "restarts": sp.restarts + 1})
-                new = self._spawn(sp.name, sp.replica)
-                new.restarts = sp.restarts + 1
-                self.procs[name] = new
+                self._launch(name, sp.name, sp.replica, restarts=sp.restarts + 1)
             if on_tick is not None:
                 on_tick(self.status())
             if deadline is not None and time.monotonic() > deadline:
@@ -269,23 +371,58 @@ class Fleet:
             time.sleep(poll_s)
 
     def stop(self, grace_s: float = 30.0) -> None:
-        # Controller first so nothing new is admitted, then the workers, then Redis.
+        """SIGTERM every service (controller first, so nothing new is admitted), SIGKILL the process
+        group of any still running after `grace_s`, then stop Redis and release the ports. Bounded;
+        a signal that arrives meanwhile does not interrupt it (a second one kills at once)."""
+        self._stopping = True
+        try:
+            self._stop(grace_s)
+        finally:
+            self._stopping = False
+
+    def _stop(self, grace_s: float) -> None:
         order = sorted(self.procs, key=lambda n: n != "controller")
         for name in order:
             sp = self.procs[name]
             if sp.alive:
-                sp.proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    sp.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for sp in self.procs.values():
             try:
                 sp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                sp.proc.kill()
-                sp.proc.wait(timeout=5)
+                log.warning("service did not stop in time; killing it",
+                            extra={"service": sp.name, "pid": sp.proc.pid, "grace_s": grace_s})
+                _kill_group(sp.proc)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    sp.proc.wait(timeout=5)
         if self.redis is not None:
             self.redis.stop()
-        PortClaims().release(self.owner)
+        if self._claimed:
+            PortClaims().release(self.owner)
+            self._claimed = False
         self.ports = None
+
+    def kill(self) -> None:
+        """SIGKILL everything this launcher started, at once (no drain, no wait); safe from any thread."""
+        for sp in list(self.procs.values()):
+            _kill_group(sp.proc)
+        if self.redis is not None:
+            with contextlib.suppress(OSError):
+                self.redis.proc.kill()
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a service and what it started: it leads its own process group (start_new_session).
+    Only while it is not reaped, so its pid (the group id) cannot belong to another process yet."""
+    if proc.returncode is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        with contextlib.suppress(OSError):
+            proc.kill()
 
 
 def last_error(path: Path) -> str:

@@ -78,6 +78,26 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def processes_of(run_dir: Path) -> list[str]:
+    """Live processes (zombies excluded) of a run: its command line names the run directory (a
+    service's `--config RUN/fleet.yaml`) or it works inside it (redis-server, which rewrites its
+    command line, runs in RUN/redis). "pid command" each; what a stopped fleet must leave: none."""
+    root = str(run_dir.resolve())
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            cwd = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if state != "Z" and (root in cmd or cwd == root or cwd.startswith(root + os.sep)):
+            out.append(f"{proc.name} {cmd[:200]}")
+    return out
+
+
 def commit_steps(journal: Any, steps: int) -> None:
     """Move a journal to step `steps` the way the controller does: each step admits one task, which
     is generated, scored by every stage and trained."""

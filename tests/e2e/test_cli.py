@@ -6,6 +6,7 @@ problem, and no traceback. Cases that need a model use the session's prebuilt ti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import pytest
 import yaml
 
 from services.core.journal import Journal
-from tests.fleet_helpers import commit_steps
+from tests.fleet_helpers import commit_steps, processes_of
 
 ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = Path(sys.executable).with_name("rlfleet")
@@ -155,25 +156,111 @@ def test_up_on_a_finished_run_starts_nothing_and_says_how_to_extend(tmp_path: Pa
     assert not (run_dir / "redis").exists() and not (run_dir / "services").exists()
 
 
-def test_up_on_a_run_with_steps_left_says_it_resumes_from_the_journals_step(tmp_path: Path, tiny_model: Path) -> None:
+STOPPED_WITHIN_S = 30.0  # a signal at any moment of `rlfleet up`: the launcher and all it started are gone
+
+
+def _resumable_run(tmp_path: Path, tiny_model: Path) -> tuple[Path, Path]:
+    """A run directory whose journal has step 1 of 2 committed, and its config."""
     run_dir = tmp_path / "run"
     journal = Journal.open(run_dir / "journal")
     commit_steps(journal, 1)
     journal.close()
-    cfg = write_config(tmp_path / "c.yaml", run_dir, models={"policy": {"path": str(tiny_model)}})
+    return run_dir, write_config(tmp_path / "c.yaml", run_dir, models={"policy": {"path": str(tiny_model)}})
+
+
+def _up(cfg: Path, cmd: list[str] | None = None) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([*RLFLEET, "up", "--config", str(cfg)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, stdin=subprocess.DEVNULL)
+    return subprocess.Popen([*(cmd or RLFLEET), "up", "--config", str(cfg)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+
+def _assert_stops(proc: subprocess.Popen[str], run_dir: Path, sig: signal.Signals, line: str,
+                  t_signal: float) -> None:
+    """The launcher exits 128 + signal within STOPPED_WITHIN_S of it, says one line, no traceback,
+    and leaves no process of the run (service, its children, redis-server) behind."""
+    try:
+        out, err = proc.communicate(timeout=max(1.0, t_signal + STOPPED_WITHIN_S - time.monotonic()))
+        hung = False
+    except subprocess.TimeoutExpired:
+        hung = True
+        proc.kill()
+        out, err = proc.communicate()
+    took = time.monotonic() - t_signal
+    left = processes_of(run_dir)
+    for entry in left:  # a failure here must not leave a fleet running for the next test
+        with contextlib.suppress(OSError):
+            os.kill(int(entry.split()[0]), signal.SIGKILL)
+    assert not hung, (f"rlfleet up still running {STOPPED_WITHIN_S:.0f}s after {sig.name}; its processes: {left}",
+                      out[-1500:], err[-1500:])
+    assert left == [], f"left running {took:.1f}s after {sig.name} (rlfleet up exited {proc.returncode})"
+    assert proc.returncode == 128 + sig, (proc.returncode, out[-1500:], err[-1500:])
+    assert "Traceback" not in out + err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(line), err
+
+
+def test_up_on_a_run_with_steps_left_says_it_resumes_from_the_journals_step(tmp_path: Path, tiny_model: Path) -> None:
+    """And a Ctrl-C right after that line (torch still loading) stops it within seconds. It used to
+    be lost at times: torch's import drops a KeyboardInterrupt raised while it initialises numpy, and
+    the launcher went on to start Redis and every service."""
+    run_dir, cfg = _resumable_run(tmp_path, tiny_model)
+    proc = _up(cfg)
     try:
         first = proc.stdout.readline()  # type: ignore[union-attr]
         assert "resuming cli from step 1 of 2" in first, first
     finally:
-        proc.send_signal(signal.SIGINT)  # the launcher stops whatever it started
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.send_signal(signal.SIGINT)
+        t_signal = time.monotonic()
+    _assert_stops(proc, run_dir, signal.SIGINT, "interrupted", t_signal)
+
+
+def test_sigterm_while_the_services_start_stops_each_service_and_redis(tmp_path: Path, tiny_model: Path) -> None:
+    """The services run in their own sessions (a terminal's Ctrl-C reaches the launcher only): a
+    signal while they load must still take every one of them, and Redis, down with the launcher."""
+    run_dir, cfg = _resumable_run(tmp_path, tiny_model)
+    proc = _up(cfg)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "logs" / "controller.log").exists():  # the last service started
+            assert proc.poll() is None and time.monotonic() < deadline, "rlfleet up never started the controller"
+            time.sleep(0.05)
+        assert len(processes_of(run_dir)) >= 4  # redis-server, actor, reward, controller
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        t_signal = time.monotonic()
+    _assert_stops(proc, run_dir, signal.SIGTERM, "stopped by SIGTERM: stopping the fleet", t_signal)
+
+
+_SWALLOWING_PREPARE = """
+import os, signal, sys, time
+from pathlib import Path
+import services.models.roles as roles
+real = roles.prepare
+def prepare(cfg):
+    Path(sys.argv[-1] + ".signalled").touch()
+    try:  # what torch's import does to a KeyboardInterrupt that comes while it loads numpy
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    return real(cfg)
+roles.prepare = prepare
+from services.cli import main
+sys.exit(main())
+"""
+
+
+def test_an_interrupt_a_library_swallows_still_stops_the_launcher(tmp_path: Path, tiny_model: Path) -> None:
+    """SIGINT while the model is prepared (Redis already up), its KeyboardInterrupt swallowed on the
+    way: the launcher still stops at its next step, Redis included, instead of starting the run."""
+    run_dir, cfg = _resumable_run(tmp_path, tiny_model)
+    proc = _up(cfg, [sys.executable, "-c", _SWALLOWING_PREPARE])
+    deadline = time.monotonic() + 180
+    while not Path(f"{cfg}.signalled").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    _assert_stops(proc, run_dir, signal.SIGINT, "interrupted: stopping the fleet", time.monotonic())
+    assert (run_dir / "redis").is_dir() and not (run_dir / "logs" / "actor.log").exists()  # no service started
 
 
 def test_train_local_refuses_a_fleet_runs_directory_and_keeps_its_metrics(tmp_path: Path, tiny_model: Path) -> None:
