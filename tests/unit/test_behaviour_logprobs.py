@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from services.core.config import AlgoSection, ConfigError, parse_config
 from services.models.engine import SamplingParams
@@ -18,8 +18,8 @@ from services.models.vllm_adapter import sampling_kwargs
 from services.rl.batch import Rollout
 from services.rl.pipeline import batch_stats, compute_advantages
 from services.rl.trainer import PolicyTrainer
+from tests.rl_helpers import ragged_rollout, tiny_qwen
 
-VOCAB = 64
 TEMPERATURE = 0.9
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -54,27 +54,13 @@ def test_vllm_requests_ask_for_the_sampled_logprob_only_when_wanted() -> None:
 
 # -- trainer -----------------------------------------------------------------------------------------
 def _model() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                      intermediate_size=64, vocab_size=VOCAB, tie_word_embeddings=True)
-    return Qwen2ForCausalLM(cfg).eval()
+    return tiny_qwen()
 
 
-def _rollout(versions: list[int], b: int = 6, p: int = 3, r: int = 5) -> Rollout:
-    g = torch.Generator().manual_seed(1)
-    resp_mask = torch.ones(b, r, dtype=torch.bool)
-    for i in range(b):  # ragged responses
-        resp_mask[i, 1 + (i * 2) % r:] = False
-    prompt_mask = torch.ones(b, p, dtype=torch.bool)
-    prompt_mask[0, 0] = False  # left padding
-    return Rollout(
-        task_ids=[f"t{i}" for i in range(b)],
-        prompt_ids=torch.randint(1, VOCAB, (b, p), generator=g), prompt_mask=prompt_mask,
-        response_ids=torch.randint(1, VOCAB, (b, r), generator=g), response_mask=resp_mask,
-        behaviour_logprobs=torch.zeros(b, r),  # what a "trainer" rollout carries: not computed
-        group_ids=torch.arange(b) // 2, versions=torch.tensor(versions), version=max(versions),
-        advantages=torch.randn(b, r, generator=g),
-    )
+def _rollout(versions: list[int]) -> Rollout:
+    r = ragged_rollout(versions, with_ref=False)
+    r.behaviour_logprobs = torch.zeros_like(r.behaviour_logprobs)  # what a "trainer" rollout carries
+    return r
 
 
 def _train(r: Rollout, mode: str, current_version: int, **algo: object) -> tuple[list[torch.Tensor], dict[str, float]]:

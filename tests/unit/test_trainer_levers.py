@@ -7,42 +7,23 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from services.core.config import AlgoSection
 from services.reference.scorer import ReferenceScorer
 from services.rl.batch import Rollout
 from services.rl.trainer import PolicyTrainer
-
-VOCAB = 64
-
+from tests.rl_helpers import ragged_rollout, tiny_qwen
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(layers: int = 2) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                      intermediate_size=64, vocab_size=VOCAB, tie_word_embeddings=True)
-    return Qwen2ForCausalLM(cfg).eval()
+    return tiny_qwen(layers)
 
 
-def _rollout(b: int = 6, p: int = 3, r: int = 5) -> Rollout:
-    g = torch.Generator().manual_seed(1)
-    resp_mask = torch.ones(b, r, dtype=torch.bool)
-    for i in range(b):  # ragged responses
-        resp_mask[i, 1 + (i * 2) % r:] = False
-    prompt_mask = torch.ones(b, p, dtype=torch.bool)
-    prompt_mask[0, 0] = False  # left padding
-    return Rollout(
-        task_ids=[f"t{i}" for i in range(b)],
-        prompt_ids=torch.randint(1, VOCAB, (b, p), generator=g), prompt_mask=prompt_mask,
-        response_ids=torch.randint(1, VOCAB, (b, r), generator=g), response_mask=resp_mask,
-        behaviour_logprobs=-torch.rand(b, r, generator=g) * 3 - 1,
-        group_ids=torch.arange(b) // 2, versions=torch.tensor([0, 0, 1, 1, 1, 1]),
-        advantages=torch.randn(b, r, generator=g),
-        ref_logprobs=-torch.rand(b, r, generator=g) * 3 - 1,
-    )
+def _rollout() -> Rollout:
+    return ragged_rollout([0, 0, 1, 1, 1, 1])
 
 
 def _train(steps: int = 2, **levers: object) -> tuple[list[torch.Tensor], list[dict[str, float]]]:
