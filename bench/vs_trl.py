@@ -595,15 +595,22 @@ def run_phase(p: Phase, cap: float, gpu: GpuSampler, done: dict[str, Any], index
 
 
 SERVICE_MODULES = tuple(f"services.{n}.server" for n in PORTS)
+IMPORT_CHECK = r'''
+import importlib, sys
+for m in sys.argv[1:]:
+    try:
+        importlib.import_module(m)
+    except ImportError as e:
+        print(f"{m}: {e}")
+'''
 
 
 def missing_modules(dry: bool = DRY) -> list[str]:
     """What the phases would die of at start-up, found in a few seconds instead of one phase at a time:
     every service's imports (a fresh GPU host lacks whatever its wheelhouse forgot), and vLLM and TRL."""
     mods = [*SERVICE_MODULES, "bench.trl_peer", *(() if dry else ("vllm", "trl"))]
-    code = ("import importlib, sys\nbad = []\nfor m in sys.argv[1:]:\n    try:\n        importlib.import_module(m)\n"
-            "    except ImportError as e:\n        bad.append(f'{m}: {e}')\nprint('\\n'.join(bad))")
-    p = subprocess.run([sys.executable, "-c", code, *mods], cwd=REPO, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", IMPORT_CHECK, *mods], cwd=REPO, capture_output=True, text=True,
+                       timeout=600)
     return [ln for ln in p.stdout.splitlines() if ln] or ([f"import check failed: {p.stderr.strip()[-300:]}"]
                                                            if p.returncode else [])
 
