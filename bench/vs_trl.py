@@ -13,22 +13,25 @@ the loss), lr 1e-6, one epoch, one optimizer step per step, micro-batches of 16 
 
 Phases (each its own process, so each starts with the GPU to itself), grouped so that one group fits one
 device call of at most 10 minutes (`plan` prints the estimates, seconds measured on the H200 run of
-2026-12-01): `peers` (TRL with vLLM and vLLM alone, both workloads), `0.5b` and `1.5b` (the three fleet
-repeats), `peers2` (TRL with generate), `levers` and `levers2`. All of them take ~47 minutes, more than
-one 30-minute device session holds: the first four groups (~30 min) are the rows the targets are read
-from; the levers take a second session. A run first checks, in seconds, that every service and both
-peers import on the host, and skips a phase that would not finish before `--deadline-s`.
+2026-12-01), in the order one 30-minute device session runs them: `0.5b` (the three 0.5B fleet repeats and
+TRL with generate), `peers` (TRL with vLLM and vLLM alone, both workloads), `1.5b` (the three 1.5B fleet
+repeats); `levers` (first `lp`, the 0.5B fleet with vLLM's log-prob output) and `levers2` get what is
+left. A run first
+checks, in seconds, that every service and both peers import on the host, and skips a phase that would not
+finish before `--deadline-s`.
 
 - `trl-vllm-<w>`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the peer.
 - `fleet-<w>-r1..r3`: `rlfleet up`, every service on the GPU, `engine: vllm` in its own process, three
-  times: median and spread.
+  times: median and spread. rlfleet's configuration for this workload (`FLEET_GENERATION`, `FLEET_VLLM`):
+  the trainer's proximal forward scores every batch (`generation.behaviour_logprobs: trainer`, no
+  per-token log-probs from vLLM) and vLLM captures CUDA graphs up to the 256 sequences of a step. A
+  phase is stopped as soon as its last measured step is in: no final checkpoint or export.
 - `vllm-alone-<w>`: vLLM's own `LLM.generate` on the same prompts, plain and with per-token log-probs:
   the generation floor.
 - `trl-0.5b`: TRL with `model.generate` (the second peer row).
-- `fleet-0.5b-<lever>`: one lever of issue 16 on top of `fleet-0.5b`: `nolp` (generation.behaviour_logprobs:
-  trainer, no per-token log-probs from vLLM), `chunked` (algo.logprob_chunk_tokens),
-  `fused` (algo.fused_optimizer), `compile` (algo.compile), `graphs` (generation.vllm.cudagraph_max_batch
-  plus a compile cache under the run directory).
+- `fleet-0.5b-<lever>`: one change to `fleet-0.5b`: `lp` (vLLM's per-token log-probs and its default
+  CUDA-graph sizes: the configuration of the 2026-12-01 run), `chunked` (algo.logprob_chunk_tokens),
+  `fused` (algo.fused_optimizer), `compile` (algo.compile).
 - `extra` (not default): PPO with a critic, the transformers engine, the engine inside the actor.
 
 Steady state drops the first `--warmup` steps and takes medians over the rest. Time to first step runs
@@ -99,17 +102,25 @@ class Phase:
     process: bool = True
     algo_opts: dict[str, Any] = field(default_factory=dict)
     vllm_opts: dict[str, Any] = field(default_factory=dict)
+    gen_opts: dict[str, Any] = field(default_factory=dict)
     lever: str = ""  # the lever a `fleet-0.5b-<lever>` phase adds (empty: the baseline)
 
 
-LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    # generation.behaviour_logprobs: trainer (no per-token log-probs from vLLM; see fleet_config)
-    "nolp": ({}, {}),
-    "chunked": ({"logprob_chunk_tokens": 1024}, {}),
-    "fused": ({"fused_optimizer": True}, {}),
-    "compile": ({"compile": True}, {}),
-    # Graphs for decode batches up to the sequences of one step; the cache under the run directory.
-    "graphs": ({}, {"cudagraph_max_batch": W["prompts_per_step"] * W["group"], "compile_cache_dir": "cache/vllm"}),
+# rlfleet's configuration for this workload (every fleet phase but a lever's own change): the trainer's
+# proximal forward scores every batch instead of vLLM's per-token log-prob output, which cost ~40% of its
+# decode throughput on 2026-12-01 (generation.behaviour_logprobs); CUDA graphs only up to the sequences
+# of one step (vLLM's default captures up to 512, twice the batch this workload ever decodes).
+FLEET_GENERATION: dict[str, Any] = {"behaviour_logprobs": "trainer"}
+FLEET_VLLM: dict[str, Any] = {"cudagraph_max_batch": W["prompts_per_step"] * W["group"]}
+
+# lever -> (algo options, vllm options, generation options) on top of that configuration.
+LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
+    # The configuration of the 2026-12-01 run: vLLM returns each sampled token's log-prob (decoupled PPO's
+    # behaviour policy), every CUDA-graph size vLLM captures by default.
+    "lp": ({}, {"cudagraph_max_batch": None}, {"behaviour_logprobs": "engine"}),
+    "chunked": ({"logprob_chunk_tokens": 1024}, {}, {}),
+    "fused": ({"fused_optimizer": True}, {}, {}),
+    "compile": ({"compile": True}, {}, {}),
 }
 # What a CPU dry run can start: no vLLM (its options are refused by the transformers engine) and no
 # inductor (minutes per graph on two cores; tests/unit/test_trainer_levers.py checks compile).
@@ -119,29 +130,32 @@ DRY_LEVERS = {"logprob_chunk_tokens": 2, "fused_optimizer": True}
 def phases() -> list[Phase]:
     out: list[Phase] = []
     # Seconds each phase took on the H200 run of 2026-12-01 (bench/results/vs_trl-2026120[12]T*.json),
-    # launch to exit; the 1.5B fleet is scaled from the 0.5B one by its peers' ratio. A fleet's repeats
-    # start as slowly as its first: vLLM's compile cache saved nothing measurable (120 s vs 123 s).
-    # Groups hold at most ~560 s, one device call each: the peers of both workloads, then each
-    # workload's three repeats.
+    # launch to exit; a fleet phase ends once its last measured step is in (the launcher is stopped
+    # then, not left to checkpoint and export: ~30 s less than that run's 182 s). The 1.5B fleet is
+    # scaled from the 0.5B one by its peers' ratio. Groups hold at most ~9.5 min, one device call each,
+    # in the order they should run: the 0.5B repeats first (the start-up timeline and any failure of
+    # rlfleet's own configuration show before the other calls are spent), then the peers of both
+    # workloads, then the 1.5B repeats (and, where the session has time left, `fleet-0.5b-lp`).
     est = {"trl-vllm-0.5b": 150, "trl-vllm-1.5b": 165, "vllm-alone-0.5b": 105, "vllm-alone-1.5b": 125,
-           "fleet-0.5b": 182, "fleet-1.5b": 190, "trl-0.5b": 120}
+           "fleet-0.5b": 150, "fleet-1.5b": 160, "trl-0.5b": 120}
+    out += [Phase(f"fleet-0.5b-r{i}", "fleet", "0.5b", "0.5b", est["fleet-0.5b"]) for i in (1, 2, 3)]
+    out.append(Phase("trl-0.5b", "trl", "0.5b", "0.5b", est["trl-0.5b"]))
     for w in ("0.5b", "1.5b"):
         out += [Phase(f"trl-vllm-{w}", "trl-vllm", w, "peers", est[f"trl-vllm-{w}"]),
                 Phase(f"vllm-alone-{w}", "vllm-alone", w, "peers", est[f"vllm-alone-{w}"])]
-        out += [Phase(f"fleet-{w}-r{i}", "fleet", w, w, est[f"fleet-{w}"]) for i in (1, 2, 3)]
-    out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
-    for lever, (algo_opts, vllm_opts) in LEVERS.items():
-        # compile and graphs compile from cold: about a minute more than the baseline's start
-        g = "levers" if lever in ("nolp", "chunked", "fused") else "levers2"
-        out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", g, est["fleet-0.5b"] + (60 if g == "levers2" else 0),
-                         algo_opts=algo_opts, vllm_opts=vllm_opts, lever=lever))
+    out += [Phase(f"fleet-1.5b-r{i}", "fleet", "1.5b", "1.5b", est["fleet-1.5b"]) for i in (1, 2, 3)]
+    for lever, (algo_opts, vllm_opts, gen_opts) in LEVERS.items():
+        # compile compiles from cold: about a minute more than the baseline's start
+        out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", "levers2" if lever == "compile" else "levers",
+                         est["fleet-0.5b"] + (60 if lever == "compile" else 0),
+                         algo_opts=algo_opts, vllm_opts=vllm_opts, gen_opts=gen_opts, lever=lever))
     out += [Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 200, algo="ppo"),
             Phase("fleet-0.5b-hf", "fleet", "0.5b", "extra", 250, engine="transformers", process=False),
             Phase("fleet-0.5b-inproc", "fleet", "0.5b", "extra", 180, process=False)]
     return out
 
 
-DEFAULT_GROUPS = ("peers", "0.5b", "1.5b", "peers2", "levers", "levers2")
+DEFAULT_GROUPS = ("0.5b", "peers", "1.5b", "levers", "levers2")
 
 
 def select(spec: str | None) -> list[Phase]:
@@ -173,6 +187,7 @@ class GpuSampler(threading.Thread):
         super().__init__(daemon=True)
         self.period, self.stop = period, threading.Event()
         self.samples: list[tuple[float, float, float]] = []
+        self.idle_gib: float | None = None  # see mark_idle
         self.name = ""
         try:
             import pynvml
@@ -194,6 +209,25 @@ class GpuSampler(threading.Thread):
             except Exception:
                 pass
             time.sleep(self.period)
+
+    def mark_idle(self) -> None:
+        """Take the GPU memory in use now (no phase running) as the level `wait_released` waits for."""
+        if self.nvml is not None:
+            self.idle_gib = self.nvml.nvmlDeviceGetMemoryInfo(self.h).used / 2**30
+
+    def wait_released(self, timeout_s: float = 30.0, slack_gib: float = 2.0) -> float:
+        """Wait until the GPU's memory is back near its idle level (a killed phase's processes free
+        theirs a moment after they exit): the next phase's vLLM sizes its cache from what is free.
+        Returns the seconds waited (0 without NVML)."""
+        idle = self.idle_gib
+        if self.nvml is None or idle is None:
+            return 0.0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.nvml.nvmlDeviceGetMemoryInfo(self.h).used / 2**30 <= idle + slack_gib:
+                break
+            time.sleep(0.2)
+        return time.monotonic() - t0
 
     def between(self, t0: float, t1: float) -> list[tuple[float, float, float]]:
         return [s for s in self.samples if t0 <= s[0] <= t1]
@@ -307,6 +341,9 @@ def build_model(workload: str) -> Path:
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the phases' processes want this memory, and NVML counts it as used
     return path
 
 
@@ -361,10 +398,13 @@ def fleet_config(p: Phase, model: Path, port_base: int, dry: bool = DRY) -> dict
                                       for n, i in PORTS.items()}
     for n in ("actor", "critic", "reference"):
         svc[n]["device"] = device
-    algo_opts, vllm_opts = dict(p.algo_opts), dict(p.vllm_opts)
+    algo_opts = dict(p.algo_opts)
+    gen_opts = {**FLEET_GENERATION, **p.gen_opts}
+    # A lever's None takes an option of rlfleet's configuration back to vLLM's default.
+    vllm_opts = {k: v for k, v in {**FLEET_VLLM, **p.vllm_opts}.items() if v is not None}
     if dry:
         p = Phase(p.name, p.kind, p.workload, p.group, p.est_s, engine="transformers", algo="ppo", process=True)
-        algo_opts, vllm_opts = dict(DRY_LEVERS), {}
+        algo_opts, vllm_opts, gen_opts = dict(DRY_LEVERS), {}, dict(FLEET_GENERATION)
     return {
         "run": {"name": p.name.replace("-", "_").replace(".", "_"), "dir": str(WORK / p.name), "seed": 0,
                 "max_steps": W["warmup"] + W["steps"] + 1},
@@ -378,7 +418,7 @@ def fleet_config(p: Phase, model: Path, port_base: int, dry: bool = DRY) -> dict
                  **algo_opts},
         # A dry run has no vLLM: the transformers engine stands in, so the harness itself is exercised.
         "generation": {"engine": p.engine, "device": device, "process": p.process,
-                       **({"behaviour_logprobs": "trainer"} if p.lever == "nolp" and not dry else {}),
+                       **gen_opts,
                        "max_new_tokens": W["completion_tokens"], "temperature": 1.0,
                        "micro_batch": 0,  # vLLM: no cap on sequences per engine step
                        **({} if p.engine != "vllm" else
@@ -416,19 +456,26 @@ def phase_fleet(p: Phase, cap: float, gpu: GpuSampler, port_base: int) -> dict[s
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
         deadline = time.monotonic() + cap
+        stopped = False
         while proc.poll() is None and time.monotonic() < deadline:
             rows = read_rows(run_dir / "metrics.jsonl")
             done = max((int(r["step"]) for r in rows), default=0)
             for k in (first, last):
                 if done >= k and k not in snaps:
                     snaps[k] = (time.time(), scrape_stages(cfg))
+            if last in snaps:
+                # Everything measured is in: the final checkpoint and export would only cost device time.
+                stopped = stop_fleet(proc)
+                break
             time.sleep(0.2)
         rc = proc.poll()
         if rc is None:
             _kill_group(proc)
             rc = 124
-    res: dict[str, Any] = {"rc": rc, "t0": t0, "t1": time.time(), "log_tail": tail(log), "config": cfg,
-                           "effective": _effective(cfg)}
+    released_s = gpu.wait_released() if stopped else 0.0
+    res: dict[str, Any] = {"rc": 0 if stopped else rc, "t0": t0, "t1": time.time(), "log_tail": tail(log),
+                           "config": cfg, "effective": _effective(cfg), "stopped_after_measuring": stopped,
+                           "gpu_released_s": round(released_s, 1)}
     rows = [r for r in read_rows(run_dir / "metrics.jsonl") if "step_s" in r]
     res["rows"] = rows
     res["engine_start_s"] = engine_start_s(run_dir)
@@ -460,6 +507,25 @@ def phase_fleet(p: Phase, cap: float, gpu: GpuSampler, port_base: int) -> dict[s
                stages=stages, generate_tokens_per_s=(tokens / gen_s) if gen_s else None,
                gpu_util=mean_util(gpu.between(w0, w1)))
     return res
+
+
+def stop_fleet(proc: subprocess.Popen[Any], timeout_s: float = 20.0) -> bool:
+    """End a measured `rlfleet up` at once: two SIGTERMs are its "kill the fleet now" (every service's
+    process group, Redis, then its own exit), with no drain, final checkpoint or export. Falls back to
+    killing the launcher's group. True once the launcher has exited."""
+    import signal
+
+    for _ in range(2):
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+    return proc.poll() is not None
 
 
 def engine_start_s(run_dir: Path) -> float | None:
@@ -635,6 +701,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for w in dict.fromkeys(p.workload for p in chosen):
         say(f"building the {w} model")
         build_model(w)
+    gpu.mark_idle()
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     path = args.out / f"vs_trl-{stamp}.json"
     for i, p in enumerate(chosen):

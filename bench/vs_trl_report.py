@@ -27,11 +27,11 @@ STAGES = ("generate", "reference", "reward", "critic", "advantage", "actor_train
 REPEATS = ("r1", "r2", "r3")
 TARGET_RATIO = {"0.5b": 2.0, "1.5b": 1.6}
 TARGET_SPREAD, TARGET_UTIL, TARGET_TTFS_GAP = 0.10, 85.0, 30.0
-LEVER_LABEL = {"nolp": "no log-probs from vLLM, the trainer scores (`generation.behaviour_logprobs: trainer`)",
+LEVER_LABEL = {"lp": "vLLM's per-token log-probs and default CUDA-graph sizes (`generation.behaviour_logprobs:"
+                     " engine`; the configuration of 2026-12-01)",
                "chunked": "chunked log-probs (`algo.logprob_chunk_tokens: 1024`)",
                "fused": "fused AdamW (`algo.fused_optimizer`)",
-               "compile": "torch.compile of trainer and reference (`algo.compile`)",
-               "graphs": "CUDA graphs up to 256 sequences + compile cache in RUN_DIR (`generation.vllm`)"}
+               "compile": "torch.compile of trainer and reference (`algo.compile`)"}
 EXTRA_LABEL = {"trl-0.5b": "TRL GRPOTrainer (`model.generate`)", "fleet-0.5b-ppo": "rlfleet PPO + critic",
                "fleet-0.5b-hf": "rlfleet GRPO, transformers engine",
                "fleet-0.5b-inproc": "rlfleet GRPO, vLLM in the actor's process"}
@@ -166,6 +166,23 @@ def _startup(reps: list[dict[str, Any]]) -> str:
     return ", ".join(parts)
 
 
+def _fleet_setup(ph: dict[str, Any]) -> str:
+    """The options of the fleet repeats that decide their speed, read from the config a repeat ran."""
+    cfg = next((p["config"] for k, p in ph.items() if k.startswith("fleet-") and k.rsplit("-", 1)[1] in REPEATS
+                and p.get("config")), None)
+    if not cfg:
+        return ""
+    g, flow = cfg.get("generation", {}), cfg.get("flow", {})
+    v = g.get("vllm") or {}
+    parts = [f"`generation.engine: {g.get('engine')}` in its own process" if g.get("process")
+             else f"`generation.engine: {g.get('engine')}`",
+             f"`generation.behaviour_logprobs: {g.get('behaviour_logprobs', 'engine')}`",
+             f"`flow.max_staleness: {flow.get('max_staleness')}`"]
+    if v.get("cudagraph_max_batch"):
+        parts.append(f"`generation.vllm.cudagraph_max_batch: {v['cudagraph_max_batch']}`")
+    return ", ".join(parts)
+
+
 def _holding(s: dict[str, Any]) -> str:
     st = {k: v for k, v in (s.get("stages") or {}).items() if v}
     if not st:
@@ -219,6 +236,9 @@ def render(res: dict[str, Any]) -> str:
              f" {W['prompt_tokens']}-token prompts, {W['completion_tokens']}-token completions, groups of {W['group']},"
              f" {seqs} completions per step, medians over {W['steps']} steps after {W['warmup']} warm-up steps."
              " Time to first step: from the launch of the process to the end of the first optimizer step.\n"]
+    setup = _fleet_setup(ph)
+    if setup:
+        lines.append(f"rlfleet's repeats ran with {setup}.\n")
     for w in TARGET_RATIO:
         s = workload_summary(res, w)
         peer = s["peer"]

@@ -81,6 +81,7 @@ def test_targets_say_met_or_missed_and_what_holds_a_miss_back() -> None:
     md = rep.render(_result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0]))
     assert "| **rlfleet, median of 3** (spread 10%) | **84.0** |" in md
     assert "| chunked log-probs (`algo.logprob_chunk_tokens: 1024`) | 90.0 | 1.07× |" in md
+    assert "| vLLM's per-token log-probs and default CUDA-graph sizes" in md
     assert "| torch.compile of trainer and reference (`algo.compile`) | not measured: not run |" in md
 
 
@@ -119,9 +120,21 @@ def test_every_group_fits_one_device_call_and_the_target_rows_come_first() -> No
     assert proc.returncode == 0, proc.stderr
     groups = [line for line in proc.stdout.splitlines() if "group " in line]
     names = [g.split("group ")[1].split(":")[0] for g in groups]
-    assert names == ["peers", "0.5b", "1.5b", "peers2", "levers", "levers2"]
+    assert names == ["0.5b", "peers", "1.5b", "levers", "levers2"]
     minutes = [float(g.split("~")[1].split(" min")[0]) for g in groups]
     assert all(m < 9.7 for m in minutes), minutes  # a call is 10 min, start and transfers included
+
+
+def test_the_fleet_repeats_run_rlfleets_configuration_and_the_lp_lever_takes_it_back() -> None:
+    from bench.vs_trl import fleet_config, select
+
+    (rep1,) = select("fleet-0.5b-r1")
+    (lp,) = select("fleet-0.5b-lp")
+    base = fleet_config(rep1, Path("/m"), 0, dry=False)["generation"]
+    assert base["behaviour_logprobs"] == "trainer" and base["vllm"]["cudagraph_max_batch"] == 256
+    old = fleet_config(lp, Path("/m"), 0, dry=False)["generation"]
+    assert old["behaviour_logprobs"] == "engine" and "cudagraph_max_batch" not in old["vllm"]
+    assert lp.group == "levers" and select("levers")[0] == lp  # the first lever a session has time for
 
 
 def test_a_run_stops_in_seconds_naming_what_the_host_cannot_import(tmp_path: Path) -> None:
@@ -166,17 +179,25 @@ def test_dry_run_exercises_every_phase_and_renders_the_report(tmp_path: Path) ->
         if p.kind == "fleet":
             assert got["gpu_config_ok"] and got["gpu_engine"] == p.engine and got["gpu_algo"] == p.algo
     # One TRL run and one fleet launch stand in for all: the others name the run they reuse.
-    assert {v.get("reused_from") for k, v in ph.items() if k.startswith("trl")} == {None, "trl-vllm-0.5b"}
+    order = [p.name for p in phases()]
+    first_trl = next(n for n in order if n.startswith("trl"))
+    assert {v.get("reused_from") for k, v in ph.items() if k.startswith("trl")} == {None, first_trl}
     assert {v.get("reused_from") for k, v in ph.items() if k.startswith("fleet")} == {None, "fleet-0.5b-r1"}
     # The dry fleet is PPO with every service: the critic's stages are timed too.
     assert {"generate", "reference", "reward", "critic", "actor_train", "critic_train", "weight_sync",
             "advantage"} <= set(ph["fleet-0.5b-r1"]["stages"])
     cfg = ph["fleet-0.5b-r1"]["config"]
     assert cfg["algo"]["logprob_chunk_tokens"] > 0 and cfg["algo"]["fused_optimizer"] is True
-    assert cfg["generation"]["process"] is True
+    assert cfg["generation"]["process"] is True and cfg["generation"]["behaviour_logprobs"] == "trainer"
+    # Stopped once its last measured step was in: the launcher and every service it started are gone.
+    fleet = ph["fleet-0.5b-r1"]
+    assert fleet["stopped_after_measuring"] is True and fleet["rc"] == 0
+    assert not (tmp_path / "work" / "fleet-0.5b-r1" / "export").exists()
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
 
     # The TRL peer's own JSON (what the GPU run's TRL phases write).
-    trl = json.loads((tmp_path / "work" / "trl-vllm-0.5b.json").read_text())
+    trl = json.loads((tmp_path / "work" / f"{first_trl}.json").read_text())
     w = res["workload"]
     per_step = w["prompts_per_step"] * w["group"]
     assert trl["ok"] is True and trl["framework"] == "trl" and trl["device"] == "cpu"
@@ -194,7 +215,8 @@ def test_dry_run_exercises_every_phase_and_renders_the_report(tmp_path: Path) ->
     assert trl["steady"]["tokens_per_s"] == pytest.approx(trl["steady"]["samples_per_s"] * w["completion_tokens"])
 
     md = (out / "vs_trl.md").read_text()
-    assert "| TRL GRPOTrainer, vLLM colocated |" in md and "Dry run on a CPU" in md
+    assert "| TRL GRPOTrainer, vLLM colocated" in md and "Dry run on a CPU" in md
+    assert "rlfleet's repeats ran with `generation.engine: transformers` in its own process," in md
     assert md.count("**rlfleet, median of 3**") == 2 and "### Levers" in md
     assert "0.5b: rlfleet GRPO over TRL with vLLM, samples/s" in md
 
