@@ -21,15 +21,26 @@ R = TypeVar("R")
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
+# gRPC's reconnect backoff grows to 120 s by default: a channel that found its peer down while the peer
+# started (the actor's vLLM engine takes a minute or two) kept failing for up to a minute after the peer
+# was serving. On the H200 run of 2026-12-02 the controller reached a ready actor 25-61 s late, which
+# was most of rlfleet's lag to its first step behind TRL's. Capped at a second, a restarted or
+# hot-swapped peer is reached within about a second; a connection attempt to a fleet peer costs little.
+RECONNECT_BACKOFF_MS = 1000
+
+
 def make_channel(
     host: str, port: int, max_message_bytes: int, *, options: Sequence[tuple[str, Any]] = ()
 ) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel with the fleet's message size limits in both directions."""
+    """An insecure grpc.aio channel with the fleet's message size limits in both directions, which
+    retries a peer that is down at least every `RECONNECT_BACKOFF_MS`."""
     return grpc.aio.insecure_channel(
         grpc_target(host, port),
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", min(200, RECONNECT_BACKOFF_MS)),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
             *options,
         ],
     )

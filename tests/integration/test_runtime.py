@@ -461,6 +461,46 @@ def test_rpc_retries_only_idempotent_calls_on_unavailable() -> None:
     asyncio.run(scenario())
 
 
+def test_a_channel_reaches_a_peer_that_starts_late_within_a_second_not_after_grpcs_growing_backoff() -> None:
+    # gRPC's default reconnect backoff (1 s growing 1.6x to 120 s) left the controller failing to reach
+    # an actor for up to a minute after the actor was serving, once the actor's start had taken a
+    # minute or two. 12 s of refusals is enough to tell: the default's next try came 4 s after the peer
+    # was up here (attempts near 0, 1, 2.6, 5.2, 9.3, 15.8 s, +-20% jitter), the fleet's within 1 s.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here until the server below starts
+
+    async def scenario() -> float:
+        async with make_channel("127.0.0.1", port, MAX_MSG) as ch:
+            call = ch.unary_unary("/test.Svc/Echo")
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 12.0:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(b"x", timeout=1.0)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                await asyncio.sleep(0.2)
+            server = grpc.aio.server()
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+                "test.Svc", {"Echo": grpc.unary_unary_rpc_method_handler(_echo)}),))
+            assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+            await server.start()
+            up = time.monotonic()
+            try:
+                while True:
+                    try:
+                        assert await call(b"x", timeout=1.0) == b"x"
+                        return time.monotonic() - up
+                    except grpc.aio.AioRpcError as e:
+                        assert e.code() == grpc.StatusCode.UNAVAILABLE
+                        assert time.monotonic() - up < 10, "the peer was never reached"
+                        await asyncio.sleep(0.05)
+            finally:
+                await server.stop(0)
+
+    waited = asyncio.run(scenario())
+    assert waited < 1.5, f"reached {waited:.2f} s after the peer started"
+
+
 # --- in-process: runtime edges --------------------------------------------------------------------
 
 
