@@ -576,6 +576,12 @@ def startup_timeline(run_dir: Path, t0: float) -> dict[str, dict[str, float]]:
         eng = next((r.get("seconds") for _, r in recs if r.get("msg") == "engine process started"), None)
         if isinstance(eng, int | float):
             row["engine_s"] = float(eng)
+        # The controller retries the trainables' GetState until they answer: the last failure is when
+        # it could first reach them (on 2026-12-02, gRPC's reconnect backoff: 25-61 s after the actor
+        # was ready).
+        retried = [t for t, r in recs if r.get("msg") == "rpc failed, retrying"]
+        if retried:
+            row["last_rpc_retry_s"] = round(retried[-1] - t0, 1)
         out[log.stem] = row
     return out
 

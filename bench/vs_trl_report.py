@@ -162,6 +162,8 @@ def _startup(reps: list[dict[str, Any]]) -> str:
         part = f"{name} {row['first_log_s']:.0f} → {_f(row.get('ready_s'), 0)}"
         if row.get("engine_s"):
             part += f" (engine process {row['engine_s']:.0f} s)"
+        if row.get("last_rpc_retry_s"):
+            part += f" (an RPC to a peer failed until {row['last_rpc_retry_s']:.0f})"
         parts.append(part)
     return ", ".join(parts)
 
@@ -256,8 +258,8 @@ def render(res: dict[str, Any]) -> str:
             lines.append(_row(f"rlfleet GRPO, vLLM in its own process, {r}", ph.get(f"fleet-{w}-{r}", {}), base))
         if s["repeats"]:
             ratio = f"{s['ratio']:.2f}×" if s.get("ratio") else "—"
-            pct = _f((s.get("spread") or 0) * 100, 0)
-            lines.append(f"| **rlfleet, median of {len(s['repeats'])}** (spread {pct}%) | "
+            pct = "one repeat: no spread" if s.get("spread") is None else f"spread {s['spread'] * 100:.0f}%"
+            lines.append(f"| **rlfleet, median of {len(s['repeats'])}** ({pct}) | "
                          f"**{_f(s['samples_per_s'])}** | | {_f(s['step_s'], 2)} | {_f(s.get('first_step_s'), 0)} | "
                          f"{_f(s.get('gpu_util'))} | **{ratio}** |")
         fl = s.get("floor")

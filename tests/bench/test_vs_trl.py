@@ -246,11 +246,18 @@ def test_the_start_up_timeline_reads_each_services_json_log(tmp_path: Path) -> N
     (logs / "actor.log").write_text(buf.getvalue())
     (logs / "reward.log").write_text(line("reward", t0 + 6.0, "serving") + "\n"
                                      + line("reward", t0 + 8.0, "state changed", to="ready") + "\n")
+    # The controller could not reach the actor until 95 s, 24 s after the actor was ready.
+    (logs / "controller.log").write_text("\n".join(
+        [line("controller", t0 + 5.0, "state changed", to="ready")]
+        + [line("controller", t0 + t, "rpc failed, retrying", method="/rlfleet.v1.Actor/GetState")
+           for t in (6.0, 40.0, 95.0)]) + "\n")
     tl = startup_timeline(tmp_path, t0)
     assert tl == {"actor": {"first_log_s": 9.5, "ready_s": 71.0, "engine_s": 58.4},
+                  "controller": {"first_log_s": 5.0, "ready_s": 5.0, "last_rpc_retry_s": 95.0},
                   "reward": {"first_log_s": 6.0, "ready_s": 8.0}}
     assert engine_start_s(tmp_path) == 58.4
     md = rep.render({**_result([80.0], [40.0]), "phases": {
         **_result([80.0], [40.0])["phases"], "fleet-0.5b-r1": {**_fleet(80.0, 60.0), "startup": tl}}})
-    assert "reward 6 → 8, actor 10 → 71 (engine process 58 s)" in md
+    assert ("controller 5 → 5 (an RPC to a peer failed until 95), reward 6 → 8, actor 10 → 71"
+            " (engine process 58 s)") in md
 
