@@ -563,7 +563,8 @@ def _ts(rec: dict[str, Any]) -> float | None:
 
 def startup_timeline(run_dir: Path, t0: float) -> dict[str, dict[str, float]]:
     """Where the time to first step goes: per service, seconds from the phase's launch to its first log
-    record (its imports done) and to its `ready` state; the actor also gets its engine's start seconds."""
+    record (its imports done) and to its `ready` state; the actor also gets its engine's start seconds,
+    and the launcher (`launcher.log`) when it started the services and saw them all ready."""
     out: dict[str, dict[str, float]] = {}
     for log in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []:
         recs = [(t, r) for r in _records(log) if (t := _ts(r)) is not None]
@@ -582,6 +583,14 @@ def startup_timeline(run_dir: Path, t0: float) -> dict[str, dict[str, float]]:
         retried = [t for t, r in recs if r.get("msg") == "rpc failed, retrying"]
         if retried:
             row["last_rpc_retry_s"] = round(retried[-1] - t0, 1)
+        # The launcher's own log: when it had passed preflight (its first record), started Redis and the
+        # services, and saw them all ready.
+        started = [t for t, r in recs if r.get("msg") == "service started"]
+        if started:
+            row["services_started_s"] = round(started[0] - t0, 1)
+        ready_all = next((t for t, r in recs if r.get("msg") == "all services ready"), None)
+        if ready_all is not None:
+            row["ready_s"] = round(ready_all - t0, 1)
         out[log.stem] = row
     return out
 

@@ -160,6 +160,8 @@ def _startup(reps: list[dict[str, Any]]) -> str:
     parts = []
     for name, row in sorted(tl.items(), key=lambda kv: kv[1].get("ready_s", kv[1]["first_log_s"])):
         part = f"{name} {row['first_log_s']:.0f} → {_f(row.get('ready_s'), 0)}"
+        if row.get("services_started_s"):
+            part += f" (services started at {row['services_started_s']:.0f})"
         if row.get("engine_s"):
             part += f" (engine process {row['engine_s']:.0f} s)"
         if row.get("last_rpc_retry_s"):

@@ -25,6 +25,7 @@ from services.core.config import ConfigError, RunConfig, load_config
 from services.progress import ProgressLine
 
 log = logging.getLogger("rlfleet.cli")
+_T0 = time.monotonic()  # about when the command started: the launcher log's seconds count from here
 
 # The run directory of the command being run, once known: where the traceback of a failure goes.
 _run_dir: Path | None = None
@@ -156,6 +157,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
 def _up(fleet: Any, cfg: RunConfig, args: argparse.Namespace, console: Any) -> int:
     cfg.check_secrets()  # before anything starts: a configured secret that is missing fails closed
     state = fleet.preflight()  # nothing started yet: a failure here leaves nothing to stop
+    from services.core.logs import log_to_file
+
+    # Where start-up goes, next to the services' logs: preflight, Redis, models, each service started.
+    log_to_file(fleet.run_dir / "logs" / "launcher.log", "launcher")
+    log.info("preflight passed", extra={"seconds": round(time.monotonic() - _T0, 2), "step": state.step})
     if state.step >= cfg.run.max_steps:
         print(f"run already finished ({state.step} steps) in {fleet.run_dir}; use --max-steps to extend")
         return 0
@@ -171,6 +177,7 @@ def _up(fleet: Any, cfg: RunConfig, args: argparse.Namespace, console: Any) -> i
         quiet_torch()
     fleet.prepare()
     fleet.start(ready_timeout_s=args.ready_timeout)
+    log.info("all services ready", extra={"seconds": round(time.monotonic() - _T0, 2)})
     assert fleet.cfg is not None
     console.print(f"all services ready: {', '.join(fleet.procs)}; logs in {fleet.run_dir / 'logs'}")
     code = _supervise(fleet, console, args.progress_every)
@@ -411,6 +418,8 @@ def _keep_traceback(cmd: str, err: BaseException) -> Path | None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for h in logging.getLogger().handlers:
+        h.setLevel(logging.WARNING)  # `up` also logs INFO, to RUN_DIR/logs/launcher.log only
     try:
         return int(args.fn(args))
     except ConfigError as err:

@@ -223,9 +223,12 @@ class Fleet:
                 self.redis = start_redis(self.run_dir / "redis", port=ports["redis-server port"],
                                          password=self.base_cfg.redis_password())
             redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"  # password travels via env only
+        if self.redis is not None:
+            log.info("redis started", extra={"pid": self.redis.proc.pid})
         cfg = resolve_fleet_config(self.base_cfg, redis_url, ports)
         # Build the tiny model once here, so services never race to build it.
         prepare_models(cfg)
+        log.info("models prepared")
         self.check_stop()
         self.config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         self.cfg = cfg
@@ -248,7 +251,7 @@ class Fleet:
         except PlacementError as err:
             raise FleetError(f"device groups cannot be placed on this host's GPUs ({inv.source}): {err}") from None
         for name, group in plan.service_groups.items():
-            log.info("placed", extra={"service": name, "group": group, "gpus": plan.gpu_ids(name) or "none"})
+            log.info("placed", extra={"child": name, "group": group, "gpus": plan.gpu_ids(name) or "none"})
         return plan
 
     def service_env(self, name: ServiceName, replica: int = 0) -> dict[str, str]:
@@ -292,6 +295,7 @@ class Fleet:
             sp = self._spawn(name, replica)
             sp.restarts = restarts
             self.procs[key] = sp
+        log.info("service started", extra={"child": key, "pid": sp.proc.pid, "restarts": restarts})
 
     def http(self, name: str, path: str, timeout: float = 2.0) -> httpx.Response:
         assert self.cfg is not None
@@ -350,7 +354,7 @@ class Fleet:
                     continue
                 if sp.proc.returncode == 0:
                     # Drained on purpose (`rlfleet swap`, a rolling update): start the replacement.
-                    log.info("service drained; starting its replacement", extra={"service": name})
+                    log.info("service drained; starting its replacement", extra={"child": name})
                     self._launch(name, sp.name, sp.replica, restarts=sp.restarts)
                     continue
                 if sp.proc.returncode == 2:
@@ -362,7 +366,7 @@ class Fleet:
                                      f" last exit code {sp.proc.returncode}: {last_error(sp.log_path)}"
                                      f" (log: {sp.log_path})")
                 log.warning("service died; restarting",
-                            extra={"service": name, "code": sp.proc.returncode, "restarts": sp.restarts + 1})
+                            extra={"child": name, "code": sp.proc.returncode, "restarts": sp.restarts + 1})
                 self._launch(name, sp.name, sp.replica, restarts=sp.restarts + 1)
             if on_tick is not None:
                 on_tick(self.status())
@@ -393,7 +397,7 @@ class Fleet:
                 sp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("service did not stop in time; killing it",
-                            extra={"service": sp.name, "pid": sp.proc.pid, "grace_s": grace_s})
+                            extra={"child": sp.name, "pid": sp.proc.pid, "grace_s": grace_s})
                 _kill_group(sp.proc)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     sp.proc.wait(timeout=5)

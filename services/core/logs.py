@@ -24,6 +24,7 @@ import re
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import IO, Any
 
 REDACTED = "***"
@@ -192,6 +193,22 @@ def current_service() -> str | None:
         if getattr(h, "_rlfleet", False) and isinstance(h.formatter, JsonFormatter):
             return h.formatter.service
     return None
+
+
+def log_to_file(path: Path, service: str, logger: str = "rlfleet", level: int = logging.INFO) -> logging.Handler:
+    """Also write `logger`'s records at `level` and above as JSON lines to `path`, redacted like the
+    services' own: the launcher's log, next to the services' logs in RUN_DIR/logs. The logger is
+    lowered to `level` if needed, so a console handler on the root must carry its own threshold."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = _DiskTolerantHandler(path.open("a", buffering=1))
+    handler.addFilter(RedactingFilter())
+    handler.setFormatter(JsonFormatter(service))
+    handler.setLevel(level)
+    lg = logging.getLogger(logger)
+    lg.addHandler(handler)
+    if lg.getEffectiveLevel() > level:
+        lg.setLevel(level)
+    return handler
 
 
 def setup_logging(service: str, level: str | int = "INFO", stream: IO[str] | None = None) -> logging.Logger:

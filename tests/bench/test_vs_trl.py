@@ -251,13 +251,19 @@ def test_the_start_up_timeline_reads_each_services_json_log(tmp_path: Path) -> N
         [line("controller", t0 + 5.0, "state changed", to="ready")]
         + [line("controller", t0 + t, "rpc failed, retrying", method="/rlfleet.v1.Actor/GetState")
            for t in (6.0, 40.0, 95.0)]) + "\n")
+    (logs / "launcher.log").write_text("\n".join(
+        line("launcher", t0 + t, msg, **extra) for t, msg, extra in (
+            (1.5, "preflight passed", {"seconds": 1.4}), (3.0, "redis started", {}), (4.0, "models prepared", {}),
+            (4.2, "service started", {"child": "reward"}), (4.4, "service started", {"child": "actor"}),
+            (71.5, "all services ready", {}))) + "\n")
     tl = startup_timeline(tmp_path, t0)
     assert tl == {"actor": {"first_log_s": 9.5, "ready_s": 71.0, "engine_s": 58.4},
                   "controller": {"first_log_s": 5.0, "ready_s": 5.0, "last_rpc_retry_s": 95.0},
+                  "launcher": {"first_log_s": 1.5, "services_started_s": 4.2, "ready_s": 71.5},
                   "reward": {"first_log_s": 6.0, "ready_s": 8.0}}
     assert engine_start_s(tmp_path) == 58.4
     md = rep.render({**_result([80.0], [40.0]), "phases": {
         **_result([80.0], [40.0])["phases"], "fleet-0.5b-r1": {**_fleet(80.0, 60.0), "startup": tl}}})
     assert ("controller 5 → 5 (an RPC to a peer failed until 95), reward 6 → 8, actor 10 → 71"
-            " (engine process 58 s)") in md
+            " (engine process 58 s), launcher 2 → 72 (services started at 4)") in md
 

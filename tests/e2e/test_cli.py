@@ -323,6 +323,16 @@ def test_two_fleets_started_together_on_one_host_get_distinct_ports(tmp_path: Pa
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, (out, err)
         assert "Traceback" not in err
+        assert "preflight passed" not in out + err  # the launcher's INFO records go to its log file only
+    # Each launcher's start-up, step by step, as JSON lines next to the services' logs.
+    for i in range(2):
+        recs = [json.loads(ln) for ln in (tmp_path / f"run{i}" / "logs" / "launcher.log").read_text().splitlines()]
+        msgs = [r["msg"] for r in recs]
+        assert msgs[:3] == ["preflight passed", "redis started", "models prepared"], msgs
+        started = [r["child"] for r in recs if r["msg"] == "service started"]
+        assert {"actor", "controller", "reward"} <= set(started) and len(set(started)) == len(started), started
+        assert msgs.index("all services ready") > msgs.index("service started")
+        assert all(r["service"] == "launcher" and r["ts"].endswith("Z") for r in recs)
     ports = []
     for i in range(2):
         fleet = yaml.safe_load((tmp_path / f"run{i}" / "fleet.yaml").read_text())
