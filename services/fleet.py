@@ -210,8 +210,8 @@ class Fleet:
 
     def prepare(self) -> RunConfig:
         with self.hold_signals(nothing_started=True):  # loads transformers and torch: see hold_signals
-            from services.models.roles import prepare as prepare_models
-
+            from services.models import roles
+            roles.import_builders()  # the model code roles.prepare may build with (services import it lazily)
         self.preflight()
         ports = self.reserve_ports()
         private_redis = self.base_cfg.redis.url is None
@@ -227,7 +227,7 @@ class Fleet:
             log.info("redis started", extra={"pid": self.redis.proc.pid})
         cfg = resolve_fleet_config(self.base_cfg, redis_url, ports)
         # Build the tiny model once here, so services never race to build it.
-        prepare_models(cfg)
+        roles.prepare(cfg)
         log.info("models prepared")
         self.check_stop()
         self.config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -20,10 +20,12 @@ from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.runtime import ServiceRuntime
 from services.core.servicer import ServiceCalls
-from services.core.trainable import Trainable
 from services.core.wire import parse_message, score_to_proto, validate_rollout_batch
 from services.core.worker import StreamWorker
 from services.rl.batch import Rollout
+
+if TYPE_CHECKING:  # a type only: trainable pulls in the checkpoint code (torch DCP, peft), ~3 s of imports
+    from services.core.trainable import Trainable
 
 log = logging.getLogger("rlfleet.scoring")
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.runtime import ServiceRuntime
-from services.core.trainable import Trainable
 from services.core.wire import WireError, check_schema_version, message
+
+if TYPE_CHECKING:  # a type only: trainable pulls in the checkpoint code (torch DCP, peft), ~3 s of imports
+    from services.core.trainable import Trainable
 
 
 async def invalid(context: Any, err: WireError) -> NoReturn:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # a type only: transformers.modeling_utils is ~2 s of imports that tokenizer-only services skip
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 

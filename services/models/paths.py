@@ -12,10 +12,7 @@ from typing import Any
 
 from services.core.config import ModelSpec
 from services.models.atomic import read_model_info
-from services.models.gguf_model import materialize_gguf
 from services.models.loading import ModelLoadError
-from services.models.reward_model import build_tiny_reward_model
-from services.models.tiny import build_tiny_model
 from services.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -37,6 +34,8 @@ def resolve_model_path(spec: ModelSpec, role: str, task: Task, run_dir: Path, se
     """
     path = Path(spec.path) if spec.path is not None else Path(run_dir) / "models" / role
     if spec.gguf_file is not None:
+        from services.models.gguf_model import materialize_gguf  # builders import transformers' models (~2 s)
+
         return materialize_gguf(Path(spec.gguf_file), path, role)
     empty_dir = path.is_dir() and not any(path.iterdir())
     if path.exists() and not empty_dir:
@@ -59,5 +58,9 @@ def resolve_model_path(spec: ModelSpec, role: str, task: Task, run_dir: Path, se
                              " is not set (set 'build' to build a tiny model there)")
     log.info("building tiny %s model for role %s at %s", spec.build.arch, role, path)
     if role == "reward":
+        from services.models.reward_model import build_tiny_reward_model
+
         return build_tiny_reward_model(task, path, seed, spec.build)
+    from services.models.tiny import build_tiny_model
+
     return build_tiny_model(task, spec.build, path, seed)

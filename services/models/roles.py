@@ -48,3 +48,10 @@ def critic_path(cfg: RunConfig, policy_path: Path) -> Path:
     if spec is None or spec.path is None:
         return policy_path
     return Path(spec.path)
+
+
+def import_builders() -> None:
+    """Import the model builders `prepare` may call (transformers' model code, ~2 s), which the
+    services import lazily: `rlfleet up` imports them where a signal cannot interrupt an import."""
+    import services.models.gguf_model
+    import services.models.reward_model  # noqa: F401  (imports services.models.tiny)
