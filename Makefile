@@ -7,7 +7,7 @@ CONFIG ?= examples/tiny-cpu.yaml
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup redis run run-local test proto proto-check lint bench images test-deploy clean
+.PHONY: setup redis run run-local test test-unit test-serial proto proto-check lint bench images test-deploy clean
 
 setup: $(BIN)/rlfleet redis
 
@@ -37,8 +37,13 @@ run-local: setup
 # The deploy tests (tests/deploy) install a Docker engine and build images: `make test-deploy` runs them.
 # Unit tests are independent and CPU-bound: two workers (pytest-xdist). The fleet, fault and
 # integration tests run one at a time, since their timing bounds assume the host is theirs.
-test: setup
+# `make test` is both; CI (.ci/run) runs the two halves apart.
+test: test-unit test-serial
+
+test-unit: setup
 	$(BIN)/pytest -q -n 2 tests/unit $(PYTEST_ARGS)
+
+test-serial: setup
 	$(BIN)/pytest -q --durations=25 --ignore=tests/deploy --ignore=tests/unit $(PYTEST_ARGS)
 
 proto: $(BIN)/rlfleet
