@@ -279,7 +279,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_swap(args: argparse.Namespace) -> int:
-    from services.fleet import swap
+    from services.swap import swap
 
     global _run_dir
     run_dir = _run_dir = Path(args.run_dir) if args.run_dir else load_config(args.config).run_dir

@@ -28,7 +28,7 @@ import yaml
 
 from services.core.config import RunConfig, ServiceName, parse_config
 from services.core.placement import Inventory, PlacementError, Plan, discover_gpus
-from services.core.ports import PortClaims, PortRequest, assign_ports, pid_alive
+from services.core.ports import PortClaims, PortRequest, assign_ports
 from services.core.redis_proc import RedisProcess, start_redis
 from services.preflight import RunState, check_fleet
 
@@ -223,7 +223,6 @@ class Fleet:
                 self.redis = start_redis(self.run_dir / "redis", port=ports["redis-server port"],
                                          password=self.base_cfg.redis_password())
             redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"  # password travels via env only
-        if self.redis is not None:
             log.info("redis started", extra={"pid": self.redis.proc.pid})
         cfg = resolve_fleet_config(self.base_cfg, redis_url, ports)
         # Build the tiny model once here, so services never race to build it.
@@ -459,46 +458,3 @@ def read_service_files(run_dir: Path) -> dict[str, dict[str, Any]]:
         except (OSError, json.JSONDecodeError):
             continue
     return out
-
-
-def swap(run_dir: Path, service: str, token: str | None = None, timeout_s: float = 180.0) -> dict[str, float]:
-    """Hot-swap one service of a running local fleet: drain it (it finishes in-flight work,
-    checkpoints and exits 0), let the supervisor start its replacement, and wait until the new
-    process reports ready. Returns the timings."""
-    files = read_service_files(run_dir)
-    if service not in files:
-        raise FleetError(f"no running service {service!r} in {run_dir / 'services'} (found: {', '.join(files)})")
-    info = files[service]
-    old_pid = int(info["pid"])
-    if not pid_alive(old_pid):
-        raise FleetError(f"{service} is not running (pid {old_pid} in {run_dir / 'services' / service}.json has"
-                         " exited): start the run with `rlfleet up` first")
-    base = f"http://{info['host']}:{info['http_port']}"
-    headers = {"authorization": f"Bearer {token}"} if token else {}
-    t0 = time.monotonic()
-    try:
-        r = httpx.post(f"{base}/v1/drain", headers=headers, timeout=5.0)
-    except httpx.HTTPError as err:
-        raise FleetError(f"cannot reach {service} at {base} ({type(err).__name__}): is the fleet running?") from None
-    if r.status_code >= 300:
-        raise FleetError(f"{service} refused to drain: HTTP {r.status_code} {r.text[:200]}")
-    deadline = t0 + timeout_s
-    while pid_alive(old_pid):
-        if time.monotonic() > deadline:
-            raise FleetError(f"{service} (pid {old_pid}) did not exit within {timeout_s:.0f}s of drain")
-        time.sleep(0.1)
-    t_exit = time.monotonic()
-    while True:
-        new = read_service_files(run_dir).get(service, {})
-        if new.get("pid") not in (None, old_pid) and new.get("state") == "ready":
-            try:
-                if httpx.get(f"http://{new['host']}:{new['http_port']}/readyz", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-        if time.monotonic() > deadline:
-            raise FleetError(f"no ready replacement for {service} within {timeout_s:.0f}s")
-        time.sleep(0.2)
-    t_ready = time.monotonic()
-    return {"drain_s": t_exit - t0, "replacement_ready_s": t_ready - t_exit, "total_s": t_ready - t0,
-            "old_pid": float(old_pid), "new_pid": float(new["pid"])}

@@ -26,8 +26,9 @@ from services.audit import audit
 from services.core.config import RunConfig
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.redis_proc import start_redis
-from services.fleet import Fleet, swap
+from services.fleet import Fleet
 from services.report import read_metrics
+from services.swap import swap
 from tests.fleet_helpers import controller_detail, rss_bytes, scrape, tiny_config, wait_for_step
 
 pytestmark = pytest.mark.slow
