@@ -136,9 +136,20 @@ class Fleet:
         HARD_EXIT_S after the signal, and exits; a second signal does that at once. Only `rlfleet
         up` (the main thread of its own process) uses this."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        hook = sys.unraisablehook
+
+        def unraisable(u: Any) -> None:
+            # A signal that lands in a finalizer (a garbage-collected object's __del__) raises Interrupted
+            # there, where Python can only print it with a traceback and drop it. The signal is recorded
+            # all the same, and the next step's check_stop raises it where it can be handled.
+            if not isinstance(u.exc_value, Interrupted):
+                hook(u)
+
+        sys.unraisablehook = unraisable
         try:
             yield
         finally:
+            sys.unraisablehook = hook
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
