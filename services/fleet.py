@@ -220,9 +220,15 @@ class Fleet:
         return self.ports
 
     def prepare(self) -> RunConfig:
-        with self.hold_signals(nothing_started=True):  # loads transformers and torch: see hold_signals
-            from services.models import roles
-            roles.import_builders()  # the model code roles.prepare may build with (services import it lazily)
+        from services.models.paths import given_by_path
+
+        # A policy given by path needs no build: preflight checked its directory, and the services
+        # load it themselves, so Redis and the services start without the launcher importing torch.
+        build = not given_by_path(self.base_cfg.models.policy, "policy", self.run_dir)
+        if build:
+            with self.hold_signals(nothing_started=True):  # loads transformers and torch: see hold_signals
+                from services.models import roles
+                roles.import_builders()  # the model code roles.prepare may build with (services import it lazily)
         self.preflight()
         ports = self.reserve_ports()
         private_redis = self.base_cfg.redis.url is None
@@ -236,9 +242,9 @@ class Fleet:
             redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"  # password travels via env only
             log.info("redis started", extra={"pid": self.redis.proc.pid})
         cfg = resolve_fleet_config(self.base_cfg, redis_url, ports)
-        # Build the tiny model once here, so services never race to build it.
-        roles.prepare(cfg)
-        log.info("models prepared")
+        if build:  # once here, so services never race to build it
+            roles.prepare(cfg)
+        log.info("models prepared", extra={"given_by_path": not build})
         self.check_stop()
         self.config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         self.cfg = cfg

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from services.models.errors import ModelLoadError
+
 if TYPE_CHECKING:  # a type only: transformers.modeling_utils is ~2 s of imports that tokenizer-only services skip
     from transformers import PreTrainedModel
 
@@ -20,10 +22,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-class ModelLoadError(RuntimeError):
-    """A model or tokenizer that cannot be found, built or loaded; the message names the path."""
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.core.config import ModelSpec
 from services.models.atomic import read_model_info
-from services.models.loading import ModelLoadError
+from services.models.errors import ModelLoadError
 from services.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -22,6 +22,14 @@ def _spec_mismatch(info: dict[str, Any], spec: ModelSpec, task: Task, seed: int)
     assert spec.build is not None
     want = {"task": task.name, "task_params": dict(task.params), "spec": spec.build.model_dump(), "seed": seed}
     return [k for k, v in want.items() if info.get(k) != v]
+
+
+def given_by_path(spec: ModelSpec, role: str, run_dir: Path) -> bool:
+    """A model the user supplied as a directory that exists: nothing to build or convert, so the
+    launcher need not import the model code (seconds of torch and transformers) before it starts
+    services. A directory a tiny-model build left is not "given": its spec is checked on resolve."""
+    path = Path(spec.path) if spec.path is not None else Path(run_dir) / "models" / role
+    return spec.gguf_file is None and spec.build is None and path.is_dir() and any(path.iterdir())
 
 
 def resolve_model_path(spec: ModelSpec, role: str, task: Task, run_dir: Path, seed: int) -> Path:
