@@ -13,10 +13,10 @@ the loss), lr 1e-6, one epoch, one optimizer step per step, micro-batches of 16 
 
 Phases (each its own process, so each starts with the GPU to itself), grouped so that one group fits one
 device call of at most 10 minutes (`plan` prints the estimates, seconds measured on the H200 run of
-2026-12-01), in the order one 30-minute device session runs them: `0.5b` (the three 0.5B fleet repeats and
-TRL with generate), `peers` (TRL with vLLM and vLLM alone, both workloads), `1.5b` (the three 1.5B fleet
-repeats); `levers` (first `lp`, the 0.5B fleet with vLLM's log-prob output) and `levers2` get what is
-left. A run first checks, in seconds, that every service and both peers import on the host, and skips a
+2026-12-01/02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
+repeats and vLLM alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM, both workloads, then TRL with
+generate); `levers` (`lp`, the 0.5B fleet with vLLM's log-prob output, then `stale2`, `chunked`, `fused`)
+and `levers2` (`compile`) get what is left. A run first checks, in seconds, that every service and both peers import on the host, and skips a
 phase that would not finish before `--deadline-s`.
 
 - `trl-vllm-<w>`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the peer.
@@ -25,11 +25,13 @@ phase that would not finish before `--deadline-s`.
   the trainer's proximal forward scores every batch (`generation.behaviour_logprobs: trainer`, no
   per-token log-probs from vLLM) and vLLM captures CUDA graphs up to the 256 sequences of a step. A
   phase is stopped as soon as its last measured step is in: no final checkpoint or export.
-- `vllm-alone-<w>`: vLLM's own `LLM.generate` on the same prompts, plain and with per-token log-probs:
-  the generation floor.
+- `vllm-alone-<w>`: the engine the fleet's actor starts (same options, environment and sampler), driven by
+  vLLM's own `LLM.generate` on one step's prompts, plain and with per-token log-probs: the generation
+  floor. It runs after the fleet repeats of its shape, so it loads their compiled graphs.
 - `trl-0.5b`: TRL with `model.generate` (the second peer row).
 - `fleet-0.5b-<lever>`: one change to `fleet-0.5b`: `lp` (vLLM's per-token log-probs and its default
-  CUDA-graph sizes: the configuration of the 2026-12-01 run), `chunked` (algo.logprob_chunk_tokens),
+  CUDA-graph sizes: the configuration of the 2026-12-01 run), `stale2` (flow.max_staleness 2),
+  `chunked` (algo.logprob_chunk_tokens),
   `fused` (algo.fused_optimizer), `compile` (algo.compile).
 - `extra` (not default): PPO with a critic, the transformers engine, the engine inside the actor.
 
@@ -102,6 +104,7 @@ class Phase:
     algo_opts: dict[str, Any] = field(default_factory=dict)
     vllm_opts: dict[str, Any] = field(default_factory=dict)
     gen_opts: dict[str, Any] = field(default_factory=dict)
+    flow_opts: dict[str, Any] = field(default_factory=dict)
     lever: str = ""  # the lever a `fleet-0.5b-<lever>` phase adds (empty: the baseline)
 
 
@@ -112,14 +115,17 @@ class Phase:
 FLEET_GENERATION: dict[str, Any] = {"behaviour_logprobs": "trainer"}
 FLEET_VLLM: dict[str, Any] = {"cudagraph_max_batch": W["prompts_per_step"] * W["group"]}
 
-# lever -> (algo options, vllm options, generation options) on top of that configuration.
-LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
+# lever -> (algo options, vllm options, generation options, flow options) on top of that configuration.
+LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     # The configuration of the 2026-12-01 run: vLLM returns each sampled token's log-prob (decoupled PPO's
     # behaviour policy), every CUDA-graph size vLLM captures by default.
-    "lp": ({}, {"cudagraph_max_batch": None}, {"behaviour_logprobs": "engine"}),
-    "chunked": ({"logprob_chunk_tokens": 1024}, {}, {}),
-    "fused": ({"fused_optimizer": True}, {}, {}),
-    "compile": ({"compile": True}, {}, {}),
+    "lp": ({}, {"cudagraph_max_batch": None}, {"behaviour_logprobs": "engine"}, {}),
+    # At 0.5B the chain generate -> reference -> train -> sync paces the step at staleness 1 (2026-12-02:
+    # 71% utilization); a batch may then be two versions old, so generation runs one more step ahead.
+    "stale2": ({}, {}, {}, {"max_staleness": 2}),
+    "chunked": ({"logprob_chunk_tokens": 1024}, {}, {}, {}),
+    "fused": ({"fused_optimizer": True}, {}, {}, {}),
+    "compile": ({"compile": True}, {}, {}, {}),
 }
 # What a CPU dry run can start: no vLLM (its options are refused by the transformers engine) and no
 # inductor (minutes per graph on two cores; tests/unit/test_trainer_levers.py checks compile).
@@ -128,33 +134,33 @@ DRY_LEVERS = {"logprob_chunk_tokens": 2, "fused_optimizer": True}
 
 def phases() -> list[Phase]:
     out: list[Phase] = []
-    # Seconds each phase took on the H200 run of 2026-12-01 (bench/results/vs_trl-2026120[12]T*.json),
-    # launch to exit; a fleet phase ends once its last measured step is in (the launcher is stopped
-    # then, not left to checkpoint and export: ~30 s less than that run's 182 s). The 1.5B fleet is
-    # scaled from the 0.5B one by its peers' ratio. Groups hold at most ~9.5 min, one device call each,
-    # in the order they should run: the 0.5B repeats first (the start-up timeline and any failure of
-    # rlfleet's own configuration show before the other calls are spent), then the peers of both
-    # workloads, then the 1.5B repeats (and, where the session has time left, `fleet-0.5b-lp`).
-    est = {"trl-vllm-0.5b": 150, "trl-vllm-1.5b": 165, "vllm-alone-0.5b": 105, "vllm-alone-1.5b": 125,
-           "fleet-0.5b": 150, "fleet-1.5b": 160, "trl-0.5b": 120}
-    out += [Phase(f"fleet-0.5b-r{i}", "fleet", "0.5b", "0.5b", est["fleet-0.5b"]) for i in (1, 2, 3)]
-    out.append(Phase("trl-0.5b", "trl", "0.5b", "0.5b", est["trl-0.5b"]))
-    for w in ("0.5b", "1.5b"):
-        out += [Phase(f"trl-vllm-{w}", "trl-vllm", w, "peers", est[f"trl-vllm-{w}"]),
-                Phase(f"vllm-alone-{w}", "vllm-alone", w, "peers", est[f"vllm-alone-{w}"])]
-    out += [Phase(f"fleet-1.5b-r{i}", "fleet", "1.5b", "1.5b", est["fleet-1.5b"]) for i in (1, 2, 3)]
-    for lever, (algo_opts, vllm_opts, gen_opts) in LEVERS.items():
+    # Seconds each phase took on the H200 runs of 2026-12-01/02 (bench/results/vs_trl-2026120[12]T*.json),
+    # launch to exit, less the 25-61 s the controller then lost to gRPC's reconnect backoff (fixed since).
+    # A fleet phase ends once its last measured step is in. The first launch of a shape on a fresh host
+    # compiles vLLM (~60 s more than the estimate), so a group's first fleet repeat runs long.
+    # Groups hold at most ~9.5 min, one device call each, in the order one 30-minute session runs them:
+    # the 1.5B repeats (what earlier sessions could not fit) and the 0.5B repeats, each with vLLM alone
+    # after them (it loads the graphs they compiled), then the peers and, last, TRL with `generate`
+    # (the second peer row, the least needed).
+    est = {"trl-vllm-0.5b": 155, "trl-vllm-1.5b": 165, "vllm-alone-0.5b": 90, "vllm-alone-1.5b": 90,
+           "fleet-0.5b": 140, "fleet-1.5b": 155, "trl-0.5b": 120}
+    for w in ("1.5b", "0.5b"):
+        out += [Phase(f"fleet-{w}-r{i}", "fleet", w, w, est[f"fleet-{w}"]) for i in (1, 2, 3)]
+        out.append(Phase(f"vllm-alone-{w}", "vllm-alone", w, w, est[f"vllm-alone-{w}"]))
+    out += [Phase(f"trl-vllm-{w}", "trl-vllm", w, "peers", est[f"trl-vllm-{w}"]) for w in ("1.5b", "0.5b")]
+    out.append(Phase("trl-0.5b", "trl", "0.5b", "peers", est["trl-0.5b"]))
+    for lever, (algo_opts, vllm_opts, gen_opts, flow_opts) in LEVERS.items():
         # compile compiles from cold: about a minute more than the baseline's start
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", "levers2" if lever == "compile" else "levers",
-                         est["fleet-0.5b"] + (60 if lever == "compile" else 0),
-                         algo_opts=algo_opts, vllm_opts=vllm_opts, gen_opts=gen_opts, lever=lever))
+                         est["fleet-0.5b"] + (60 if lever == "compile" else 0), algo_opts=algo_opts,
+                         vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, lever=lever))
     out += [Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 200, algo="ppo"),
             Phase("fleet-0.5b-hf", "fleet", "0.5b", "extra", 250, engine="transformers", process=False),
             Phase("fleet-0.5b-inproc", "fleet", "0.5b", "extra", 180, process=False)]
     return out
 
 
-DEFAULT_GROUPS = ("0.5b", "peers", "1.5b", "levers", "levers2")
+DEFAULT_GROUPS = ("1.5b", "0.5b", "peers", "levers", "levers2")
 
 
 def select(spec: str | None) -> list[Phase]:
@@ -425,7 +431,7 @@ def fleet_config(p: Phase, model: Path, port_base: int, dry: bool = DRY) -> dict
         "batch": {"prompts_per_step": W["prompts_per_step"], "prompts_per_message": W["prompts_per_step"]},
         "services": svc,
         # Generation of step n+1 overlaps training of step n; nothing is resent during a slow start.
-        "flow": {"max_staleness": 1, "resend_after_s": 900.0, "rpc_timeout_s": 900.0},
+        "flow": {"max_staleness": 1, "resend_after_s": 900.0, "rpc_timeout_s": 900.0, **p.flow_opts},
         "checkpoint": {"every": 1000},
     }
 
@@ -597,17 +603,19 @@ def startup_timeline(run_dir: Path, t0: float) -> dict[str, dict[str, float]]:
 VLLM_ALONE = r'''
 import json, statistics, sys, time
 from pathlib import Path
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
 from services.models.loading import load_tokenizer
+from services.models.vllm_engine import VLLMEngine
 from bench.vs_trl import W, synthetic_task
-model, out, workload = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+model, out, workload, opts = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 tok = load_tokenizer(model)
 task = synthetic_task(workload)
 ids = [tok(task.prompt(i).text)["input_ids"] for i in range(W["prompts_per_step"])]
+# The very engine rlfleet's actor starts (its options, environment and sampler), driven by vLLM's own
+# LLM.generate with no rlfleet code in the loop; its compiled graphs are the fleet's, cached on the host.
+llm = VLLMEngine.from_path(model, dtype="bfloat16", seed=0, **opts).llm
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
 prompts = [TokensPrompt(prompt_token_ids=p) for p in ids for _ in range(W["group"])]
-llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.2,
-          max_model_len=512, seed=0)
 res = {}
 for name, kw in (("plain", {}), ("logprobs", {"logprobs": 0})):
     ps = SamplingParams(max_tokens=W["completion_tokens"], min_tokens=W["completion_tokens"], temperature=1.0,
@@ -626,6 +634,15 @@ out.write_text(json.dumps(res))
 '''
 
 
+def engine_options(workload: str) -> dict[str, Any]:
+    """`VLLMEngine.from_path` options of the fleet repeats' actor engine for `workload`."""
+    from services.core.config import parse_config
+
+    (rep1,) = [p for p in phases() if p.name == f"fleet-{workload}-r1"]
+    cfg = parse_config(fleet_config(rep1, model_dir(workload), 0, dry=False), source=rep1.name)
+    return cfg.generation.vllm.engine_options()
+
+
 def phase_vllm_alone(p: Phase, cap: float, gpu: GpuSampler) -> dict[str, Any]:
     out, log = WORK / f"{p.name}.json", WORK / f"{p.name}.log"
     t0 = time.time()
@@ -633,7 +650,8 @@ def phase_vllm_alone(p: Phase, cap: float, gpu: GpuSampler) -> dict[str, Any]:
         import vllm  # noqa: F401
     except ImportError:
         return {"rc": None, "t0": t0, "t1": t0, "error": "vllm is not installed"}
-    rc = run_proc([sys.executable, "-c", VLLM_ALONE, str(model_dir(p.workload)), str(out), p.workload], log, cap)
+    rc = run_proc([sys.executable, "-c", VLLM_ALONE, str(model_dir(p.workload)), str(out), p.workload,
+                   json.dumps(engine_options(p.workload))], log, cap)
     res: dict[str, Any] = {"rc": rc, "t0": t0, "t1": time.time(), "log_tail": tail(log)}
     if out.exists():
         res.update(ok=True, variants=json.loads(out.read_text()))
@@ -641,6 +659,21 @@ def phase_vllm_alone(p: Phase, cap: float, gpu: GpuSampler) -> dict[str, Any]:
 
 
 # -- orchestration ----------------------------------------------------------------------------------
+def vllm_compile_cache() -> set[str]:
+    """vLLM's compiled-graph cache entries on this host, one per model and engine configuration (its hash).
+
+    A phase that adds one compiled from cold; one that adds none loaded its graphs from the cache. Time to
+    first step differs by about a minute between the two, so rows are compared like with like."""
+    root = os.environ.get("VLLM_CACHE_ROOT") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm")
+    cache = Path(root) / "torch_compile_cache"
+    return {p.name for p in cache.iterdir()} if cache.is_dir() else set()
+
+
+def uses_vllm(p: Phase) -> bool:
+    return not DRY and (p.kind in ("trl-vllm", "vllm-alone") or (p.kind == "fleet" and p.engine == "vllm"))
+
+
 def versions() -> dict[str, str]:
     out = {"python": sys.version.split()[0]}
     for mod in ("torch", "transformers", "trl", "vllm", "accelerate", "datasets"):
@@ -726,12 +759,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             result["phases"][p.name] = {"skipped": f"{left:.0f} s left of the {args.deadline_s:.0f} s deadline"}
             continue
         say(f"phase {p.name} (estimate {p.est_s:.0f} s, {left:.0f} s left)")
+        cached = vllm_compile_cache()
         try:
             result["phases"][p.name] = run_phase(p, min(max(p.est_s * 2.5, 60), left - 10), gpu,
                                                  result["phases"], i)
         except Exception as err:  # one broken phase must not cost the others
             result["phases"][p.name] = {"error": f"{type(err).__name__}: {err}"}
         ph = result["phases"][p.name]
+        if uses_vllm(p):
+            ph["vllm_compile"] = "cold" if vllm_compile_cache() - cached else "cached"
         ph["seconds"] = time.time() - float(ph.get("t0", time.time()))
         say(f"phase {p.name}: " + json.dumps({k: ph.get(k) for k in ("rc", "ok", "samples_per_s", "gpu_util",
                                                                       "first_step_s", "error", "reused_from")}))
