@@ -16,8 +16,8 @@ device call of at most 10 minutes (`plan` prints the estimates, seconds measured
 2026-12-01/02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
 repeats and vLLM alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM, both workloads, then TRL with
 generate); `levers` (`lp`, the 0.5B fleet with vLLM's log-prob output, then `stale2`, `chunked`, `fused`)
-and `levers2` (`compile`) get what is left. A run first checks, in seconds, that every service and both peers import on the host, and skips a
-phase that would not finish before `--deadline-s`.
+and `levers2` (`compile`) get what is left. A run first checks, in seconds, that every service and both
+peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
 - `trl-vllm-<w>`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the peer.
 - `fleet-<w>-r1..r3`: `rlfleet up`, every service on the GPU, `engine: vllm` in its own process, three
