@@ -170,11 +170,7 @@ def _up(fleet: Any, cfg: RunConfig, args: argparse.Namespace, console: Any) -> i
                       f" in {fleet.run_dir}")
     else:
         console.print(f"[bold]rlfleet up[/]: preparing {cfg.run.name} in {fleet.run_dir}")
-    from services.core.entry import quiet_torch
-
     fleet.reserve_ports()  # checked before torch loads: a taken port is a one-second failure
-    with fleet.hold_signals(nothing_started=True):  # a KeyboardInterrupt in torch's import is lost or aborts it
-        quiet_torch()
     fleet.prepare()
     fleet.start(ready_timeout_s=args.ready_timeout)
     log.info("all services ready", extra={"seconds": round(time.monotonic() - _T0, 2)})

@@ -234,25 +234,26 @@ def test_sigterm_while_the_services_start_stops_each_service_and_redis(tmp_path:
 _SWALLOWING_PREPARE = """
 import os, signal, sys, time
 from pathlib import Path
-import services.models.roles as roles
-real = roles.prepare
-def prepare(cfg):
+import services.fleet as fleet
+real = fleet.resolve_fleet_config
+def resolve(*a, **kw):
     Path(sys.argv[-1] + ".signalled").touch()
     try:  # what torch's import does to a KeyboardInterrupt that comes while it loads numpy
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1)
     except KeyboardInterrupt:
         pass
-    return real(cfg)
-roles.prepare = prepare
+    return real(*a, **kw)
+fleet.resolve_fleet_config = resolve
 from services.cli import main
 sys.exit(main())
 """
 
 
 def test_an_interrupt_a_library_swallows_still_stops_the_launcher(tmp_path: Path, tiny_model: Path) -> None:
-    """SIGINT while the model is prepared (Redis already up), its KeyboardInterrupt swallowed on the
-    way: the launcher still stops at its next step, Redis included, instead of starting the run."""
+    """SIGINT after Redis is up, while the launcher prepares the services' config, its KeyboardInterrupt
+    swallowed on the way: the launcher still stops at its next step, Redis included, instead of starting
+    the run."""
     run_dir, cfg = _resumable_run(tmp_path, tiny_model)
     proc = _up(cfg, [sys.executable, "-c", _SWALLOWING_PREPARE])
     deadline = time.monotonic() + 180
