@@ -375,7 +375,7 @@ def phase_trl(p: Phase, cap: float, gpu: GpuSampler) -> dict[str, Any]:
     out, log = WORK / f"{p.name}.json", WORK / f"{p.name}.log"
     out.unlink(missing_ok=True)
     t0 = time.time()
-    rc = run_proc(trl_cmd(p, model_dir(p.workload), out), log, cap)
+    rc = run_proc(trl_cmd(p, model_dir(p.workload), out), log, cap, env=phase_env(p))
     res: dict[str, Any] = {"rc": rc, "t0": t0, "t1": time.time(), "log_tail": tail(log)}
     if not out.exists():
         return res
@@ -459,7 +459,8 @@ def phase_fleet(p: Phase, cap: float, gpu: GpuSampler, port_base: int) -> dict[s
     snaps: dict[int, tuple[float, dict[str, float]]] = {}
     first, last = W["warmup"], W["warmup"] + W["steps"]
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=phase_env(p),
+                                start_new_session=True)
         deadline = time.monotonic() + cap
         stopped = False
         while proc.poll() is None and time.monotonic() < deadline:
@@ -651,7 +652,7 @@ def phase_vllm_alone(p: Phase, cap: float, gpu: GpuSampler) -> dict[str, Any]:
     except ImportError:
         return {"rc": None, "t0": t0, "t1": t0, "error": "vllm is not installed"}
     rc = run_proc([sys.executable, "-c", VLLM_ALONE, str(model_dir(p.workload)), str(out), p.workload,
-                   json.dumps(engine_options(p.workload))], log, cap)
+                   json.dumps(engine_options(p.workload))], log, cap, env=phase_env(p))
     res: dict[str, Any] = {"rc": rc, "t0": t0, "t1": time.time(), "log_tail": tail(log)}
     if out.exists():
         res.update(ok=True, variants=json.loads(out.read_text()))
@@ -659,15 +660,29 @@ def phase_vllm_alone(p: Phase, cap: float, gpu: GpuSampler) -> dict[str, Any]:
 
 
 # -- orchestration ----------------------------------------------------------------------------------
-def vllm_compile_cache() -> set[str]:
-    """vLLM's compiled-graph cache entries on this host, one per model and engine configuration (its hash).
+def framework(p: Phase) -> str:
+    return "trl" if p.kind.startswith("trl") else "rlfleet"
 
-    A phase that adds one compiled from cold; one that adds none loaded its graphs from the cache. Time to
-    first step differs by about a minute between the two, so rows are compared like with like."""
-    root = os.environ.get("VLLM_CACHE_ROOT") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm")
-    cache = Path(root) / "torch_compile_cache"
-    return {p.name for p in cache.iterdir()} if cache.is_dir() else set()
+
+def phase_env(p: Phase) -> dict[str, str]:
+    """Each framework compiles into caches of its own: vLLM's graphs, Inductor's and Triton's kernels,
+    FlashInfer's JIT (everything under a home of its own). Its first launch on the host compiles from
+    cold, as a user's first run does, later launches load what it compiled, and no framework starts on
+    kernels another one compiled (on 2026-12-02 TRL ran after rlfleet on one shared cache)."""
+    home = WORK / "home" / framework(p)
+    home.mkdir(parents=True, exist_ok=True)
+    env = os.environ.copy()
+    env.pop("VLLM_CACHE_ROOT", None)
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), TORCHINDUCTOR_CACHE_DIR=str(home / "inductor"),
+               TRITON_CACHE_DIR=str(home / ".triton" / "cache"))
+    return env
+
+
+def vllm_compile_cache(p: Phase) -> set[str]:
+    """vLLM's compiled-graph cache entries of `p`'s framework, one per model and engine configuration
+    (its hash). A phase that adds one compiled from cold; one that adds none loaded its graphs."""
+    cache = Path(phase_env(p)["XDG_CACHE_HOME"]) / "vllm" / "torch_compile_cache"
+    return {d.name for d in cache.iterdir()} if cache.is_dir() else set()
 
 
 def uses_vllm(p: Phase) -> bool:
@@ -759,7 +774,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             result["phases"][p.name] = {"skipped": f"{left:.0f} s left of the {args.deadline_s:.0f} s deadline"}
             continue
         say(f"phase {p.name} (estimate {p.est_s:.0f} s, {left:.0f} s left)")
-        cached = vllm_compile_cache()
+        cached = vllm_compile_cache(p)
         try:
             result["phases"][p.name] = run_phase(p, min(max(p.est_s * 2.5, 60), left - 10), gpu,
                                                  result["phases"], i)
@@ -767,7 +782,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             result["phases"][p.name] = {"error": f"{type(err).__name__}: {err}"}
         ph = result["phases"][p.name]
         if uses_vllm(p):
-            ph["vllm_compile"] = "cold" if vllm_compile_cache() - cached else "cached"
+            ph["vllm_compile"] = "cold" if vllm_compile_cache(p) - cached else "cached"
         ph["seconds"] = time.time() - float(ph.get("t0", time.time()))
         say(f"phase {p.name}: " + json.dumps({k: ph.get(k) for k in ("rc", "ok", "samples_per_s", "gpu_util",
                                                                       "first_step_s", "error", "reused_from")}))

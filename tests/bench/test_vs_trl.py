@@ -160,6 +160,19 @@ def test_the_fleet_repeats_run_rlfleets_configuration_and_the_lp_lever_takes_it_
     assert fleet_config(rep1, Path("/m"), 0, dry=False)["flow"]["max_staleness"] == 1
 
 
+def test_each_framework_compiles_into_caches_of_its_own_and_its_later_launches_reuse_them() -> None:
+    # On 2026-12-02 TRL ran after rlfleet on one shared cache: its "cold" vLLM start found the kernels
+    # rlfleet had compiled. Each framework's first launch must compile from cold, as a user's first run does.
+    from bench.vs_trl import phase_env, select
+
+    env = {p.name: phase_env(p) for p in select("all")}
+    keys = ("HOME", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    trl, fleet = env["trl-vllm-0.5b"], env["fleet-0.5b-r1"]
+    assert all(trl[k] != fleet[k] for k in keys) and "VLLM_CACHE_ROOT" not in trl
+    assert all(env["fleet-1.5b-r2"][k] == env["vllm-alone-0.5b"][k] == fleet[k] for k in keys)
+    assert all(env["trl-0.5b"][k] == trl[k] for k in keys)
+
+
 def test_a_run_stops_in_seconds_naming_what_the_host_cannot_import(tmp_path: Path) -> None:
     from bench import vs_trl
 
