@@ -22,7 +22,7 @@ peers import on the host, and skips a phase that would not finish before `--dead
 - `trl-vllm-<w>`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the peer.
 - `fleet-<w>-r1..r3`: `rlfleet up`, every service on the GPU, `engine: vllm` in its own process, three
   times: median and spread. rlfleet's configuration for this workload (`FLEET_GENERATION`, `FLEET_VLLM`):
-  the trainer's proximal forward scores every batch (`generation.behaviour_logprobs: trainer`, no
+  the trainer's proximal log-probs score every batch (`generation.behaviour_logprobs: trainer`, no
   per-token log-probs from vLLM) and vLLM captures CUDA graphs up to the 256 sequences of a step. A
   phase is stopped as soon as its last measured step is in: no final checkpoint or export.
 - `vllm-alone-<w>`: the engine the fleet's actor starts (same options, environment and sampler), driven by
@@ -109,7 +109,7 @@ class Phase:
 
 
 # rlfleet's configuration for this workload (every fleet phase but a lever's own change): the trainer's
-# proximal forward scores every batch instead of vLLM's per-token log-prob output, which cost ~40% of its
+# proximal log-probs score every batch instead of vLLM's per-token log-prob output, which cost ~40% of its
 # decode throughput on 2026-12-01 (generation.behaviour_logprobs); CUDA graphs only up to the sequences
 # of one step (vLLM's default captures up to 512, twice the batch this workload ever decodes).
 FLEET_GENERATION: dict[str, Any] = {"behaviour_logprobs": "trainer"}
@@ -508,6 +508,10 @@ def phase_fleet(p: Phase, cap: float, gpu: GpuSampler, port_base: int) -> dict[s
                tokens_per_s=tokens / step_s,
                train_s=statistics.median(float(r.get("train_s", 0.0)) for r in steady),
                off_policy=statistics.fmean(float(r.get("off_policy", 0.0)) for r in steady),
+               # Steps whose trainer ran the separate proximal pass (runs before 2026-12-02 08:30 did
+               # on every off-policy step and logged only off_policy).
+               proximal=statistics.fmean(float(r.get("proximal_forward", r.get("off_policy", 0.0)))
+                                         for r in steady),
                response_len=statistics.median(float(r.get("response_len_mean", W["completion_tokens"]))
                                               for r in steady),
                stages=stages, generate_tokens_per_s=(tokens / gen_s) if gen_s else None,

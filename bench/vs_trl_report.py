@@ -6,10 +6,10 @@ Model FLOPs (stated in BENCHMARKS.md): a sequence of T tokens (prompt + completi
 6·N + 12·L·d·T for a forward and backward pass and 2·N + 4·L·d·T for a forward pass, where N counts the
 parameters that multiply activations (every linear layer of the L blocks plus the LM head; the embedding
 lookup is free) and d is the hidden size (PaLM's accounting, causal masking not discounted). The trainer
-runs one forward + backward of every sequence and, for a batch generated under an older version, one
-extra no-grad forward (the proximal log-probs): MFU = those FLOPs / (actor train seconds × 989 TFLOP/s,
-H200 bf16 dense). The per-step floor is generation at plain vLLM speed (`vllm-alone`, no log-probs) plus
-the forward + backward at 50% MFU.
+runs one forward + backward of every sequence and, where it runs one (the `proximal_forward` metric:
+several updates per batch), an extra no-grad forward for the proximal log-probs: MFU = those FLOPs /
+(actor train seconds × 989 TFLOP/s, H200 bf16 dense). The per-step floor is generation at plain vLLM
+speed (`vllm-alone`, no log-probs) plus the forward + backward at 50% MFU.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def matmul_params(shape: dict[str, Any]) -> int:
 
 def train_flops(shape: dict[str, Any], sequences: float, seq_len: float, off_policy: float = 0.0) -> float:
     """Model FLOPs of one trainer step: forward + backward of every sequence, plus a forward of the
-    off-policy share (the proximal log-probs)."""
+    share of steps whose trainer ran a separate proximal pass (`off_policy`)."""
     n, attn = matmul_params(shape), shape["num_hidden_layers"] * shape["hidden_size"] * seq_len
     tokens = sequences * seq_len
     return tokens * (6 * n + 12 * attn) + off_policy * tokens * (2 * n + 4 * attn)
@@ -102,7 +102,7 @@ def workload_summary(res: dict[str, Any], w: str) -> dict[str, Any]:
         s["engine_start_s"] = _median([p.get("engine_start_s") for p in reps])
         s["stages"] = {k: _median([p.get("stages", {}).get(k) for p in reps]) for k in STAGES}
         train_s = _median([p.get("train_s") for p in reps])
-        off = statistics.fmean(p.get("off_policy", 0.0) for p in reps)
+        off = statistics.fmean(p.get("proximal", p.get("off_policy", 0.0)) for p in reps)
         if train_s:
             s["mfu"] = train_flops(shape, seqs, seq_len, off) / (train_s * PEAK_FLOPS)
         s["generate_tokens_per_s"] = _median([p.get("generate_tokens_per_s") for p in reps])
@@ -352,10 +352,10 @@ def render(res: dict[str, Any]) -> str:
             st = p.get("stages", {})
             lines.append(f"| {name} | " + " | ".join(_f(st.get(k), 2) for k in STAGES) + " |")
     lines += ["", "MFU counts, per token of a T-token sequence, 6·N + 12·L·d·T FLOPs for the forward and backward"
-              " pass and"
-              " 2·N + 4·L·d·T for the proximal forward of an off-policy batch (N: parameters of the linear layers and"
-              " the LM head, L layers, hidden size d), over the actor's train seconds at 989 TFLOP/s (H200 bf16"
-              " dense). Floor: completion tokens / plain vLLM tokens/s + the forward and backward FLOPs at 50% MFU.",
+              " pass and 2·N + 4·L·d·T for a separate proximal forward where the trainer ran one"
+              " (N: parameters of the linear layers and the LM head, L layers, hidden size d), over the actor's"
+              " train seconds at 989 TFLOP/s (H200 bf16 dense). Floor: completion tokens / plain vLLM tokens/s"
+              " + the forward and backward FLOPs at 50% MFU.",
               "", "Targets (issue 16), from this run:", "", *targets(res), MARK_END]
     return "\n".join(lines) + "\n"
 def plots(res: dict[str, Any], out: Path) -> list[Path]:

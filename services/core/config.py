@@ -120,9 +120,10 @@ class GenerationSection(_Strict):
     under the sampling policy (behaviour): an on-policy batch clips against them, an off-policy one
     against the trainer's no-grad proximal forward, weighted by proximal/behaviour (algo.decoupled).
     "trainer": the engine computes none (vLLM's log-prob output costs ~40% of its decode throughput);
-    the trainer runs its proximal forward on every batch, on-policy too, clips against it and weights
-    nothing (TRL without its vLLM importance-sampling correction): the engine/trainer numeric mismatch
-    and a stale batch's policy lag go uncorrected. Excludes algo.kl_in "reward" (behaviour vs
+    the trainer's proximal log-probs (a no-grad pass before the updates, or each forward's own when
+    the batch takes one optimizer step) are every batch's old policy, on-policy too; it clips against
+    them and weights nothing (TRL without its vLLM importance-sampling correction): the engine/trainer
+    numeric mismatch and a stale batch's policy lag go uncorrected. Excludes algo.kl_in "reward" (behaviour vs
     reference); the rollout's "kl" metric is then absent (KL-in-loss still reports kl_loss)."""
     # Extra stop tokens beyond the tokenizer's EOS.
     stop_token_ids: list[int] = Field(default_factory=list)

@@ -99,6 +99,13 @@ class PolicyTrainer:
             return out[0], out[1]
         return out, None
 
+    def weights_move_within(self, rows: int) -> bool:
+        """Whether a batch of `rows` takes more than one optimizer step. With one (one epoch, one
+        minibatch) every micro-batch's forward runs at the proximal weights, so its own log-probs,
+        detached, are the proximal policy's: the separate no-grad pass, a quarter of the step's FLOPs,
+        is needed only when the weights move within the batch."""
+        return self.algo.ppo_epochs > 1 or self.algo.minibatch_size < rows
+
     def train_step(self, r: Rollout, step: int, current_version: int) -> dict[str, float]:
         if r.advantages is None:
             raise ValueError("train_step needs advantages: run compute_advantages first")
@@ -114,7 +121,10 @@ class PolicyTrainer:
         engine_logprobs = self.behaviour_logprobs == "engine"
         # A response's sum is divided by one constant whatever width its micro-batch is cut to.
         norm_len = algo.loss_norm_len or r.response_ids.shape[1]
-        if off_policy or not engine_logprobs:
+        proximal_forward = (off_policy or not engine_logprobs) and self.weights_move_within(len(r))
+        old: torch.Tensor | None
+        behaviour: torch.Tensor | None
+        if proximal_forward:
             with torch.no_grad():
                 old = score_rows(
                     r, self.device, lambda p: self._logprobs(p, False)[0],
@@ -122,7 +132,9 @@ class PolicyTrainer:
                     size=algo.micro_batch_size or algo.minibatch_size, tokens=algo.micro_batch_tokens,
                     pack=algo.pack_sequences,
                 )
-            behaviour: torch.Tensor | None = r.behaviour_logprobs if engine_logprobs else None
+            behaviour = r.behaviour_logprobs if engine_logprobs else None
+        elif off_policy or not engine_logprobs:
+            old, behaviour = None, r.behaviour_logprobs if engine_logprobs else None  # old: each forward's own
         else:
             old, behaviour = r.behaviour_logprobs, None
 
@@ -138,8 +150,9 @@ class PolicyTrainer:
                     part = part_of(mb, m).to(self.device)
                     rows, width = idx[m.rows], part.response_ids.shape[1]
                     logp, ent = self._logprobs(part, with_entropy=True, bins=m.bins)
+                    prox = logp.detach() if old is None else old[rows, :width].to(self.device)
                     loss, st = policy_loss(
-                        logp, old[rows, :width].to(self.device), part.advantages, part.response_mask,  # type: ignore[arg-type]
+                        logp, prox, part.advantages, part.response_mask,  # type: ignore[arg-type]
                         clip_eps=algo.clip_eps, clip_eps_high=algo.clip_eps_high, agg=algo.loss_agg,
                         behaviour_logp=None if behaviour is None else behaviour[rows, :width].to(self.device),
                         behaviour_weight_cap=algo.behaviour_weight_cap, ratio_level=algo.ratio_level,
@@ -167,6 +180,7 @@ class PolicyTrainer:
         self.model.eval()
         out = _mean(acc)
         out["off_policy"] = float(off_policy)
+        out["proximal_forward"] = float(proximal_forward)
         return out
 
 

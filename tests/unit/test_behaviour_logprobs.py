@@ -124,3 +124,55 @@ def test_trainer_mode_leaves_the_kl_metric_out_instead_of_reporting_kl_from_zero
     assert "kl" not in batch_stats(r, algo, behaviour_logprobs="trainer")
     with pytest.raises(ValueError, match="behaviour_logprobs"):  # past the config check: still no penalty from zeros
         compute_advantages(r, AlgoSection(name="grpo", kl_coef=0.1, kl_in="reward"), behaviour_logprobs="trainer")
+
+
+# -- one optimizer step per batch: no separate proximal pass ----------------------------------------------
+class _Counting(PolicyTrainer):
+    """Counts the model's forward passes; `always_proximal` takes the separate no-grad pass regardless."""
+
+    def __init__(self, *a: object, always_proximal: bool = False, **kw: object) -> None:
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+        self.always_proximal, self.forwards = always_proximal, 0
+        self.model.register_forward_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+
+    def weights_move_within(self, rows: int) -> bool:
+        return self.always_proximal or super().weights_move_within(rows)
+
+
+@pytest.mark.parametrize("mode", ["trainer", "engine"])
+def test_one_update_per_batch_takes_each_forwards_own_logprobs_as_proximal_and_trains_the_same(mode: str) -> None:
+    # A one-step-stale batch, one epoch, one minibatch (rlfleet's GRPO on the H200 bench): the weights do
+    # not move until the batch's only optimizer step, so the no-grad proximal pass recomputes what each
+    # micro-batch's training forward computes anyway (a quarter of the trainer's FLOPs at 1.5B).
+    r = _rollout([3, 3, 2, 3, 2, 3])
+    if mode == "engine":
+        r = _exact_behaviour(r)
+        r.behaviour_logprobs = r.behaviour_logprobs - 0.05 * r.response_mask  # a slightly older behaviour
+    a = AlgoSection(name="grpo", minibatch_size=len(r), ppo_epochs=1, micro_batch_size=2, lr=1e-2, clip_eps=0.05)
+    got = []
+    for always in (False, True):
+        t = _Counting(copy.deepcopy(_model()), a, temperature=TEMPERATURE, behaviour_logprobs=mode,
+                      always_proximal=always)
+        stats = t.train_step(r, step=0, current_version=3)
+        got.append(([p.detach().clone() for p in t.model.parameters()], stats, t.forwards))
+    (fast, fast_stats, fast_fwd), (slow, slow_stats, slow_fwd) = got
+    assert fast_stats["proximal_forward"] == 0.0 and slow_stats["proximal_forward"] == 1.0
+    assert fast_stats["off_policy"] == slow_stats["off_policy"] == 1.0
+    assert (fast_fwd, slow_fwd) == (3, 6)  # three micro-batches of two; the slow path scores them first
+    for x, y in zip(fast, slow, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+    assert fast_stats["policy_loss"] == pytest.approx(slow_stats["policy_loss"], abs=1e-6)
+
+
+def test_several_updates_per_batch_still_score_the_proximal_policy_first() -> None:
+    # Two epochs (or two minibatches): the second update's forward runs on moved weights, so `old` must
+    # come from the pass before the first update.
+    r = _rollout([3, 3, 2, 3, 2, 3])
+    # Forwards: the proximal pass (3 micro-batches of two), then the training ones (2 epochs x 3, or
+    # 2 minibatches of three rows cut into micro-batches of two and one).
+    cases = (({"ppo_epochs": 2, "minibatch_size": 6}, 3 + 6), ({"ppo_epochs": 1, "minibatch_size": 3}, 3 + 4))
+    for algo, forwards in cases:
+        a = AlgoSection(name="grpo", micro_batch_size=2, lr=1e-2, **algo)  # type: ignore[arg-type]
+        t = _Counting(copy.deepcopy(_model()), a, temperature=TEMPERATURE, behaviour_logprobs="trainer")
+        stats = t.train_step(r, step=0, current_version=3)
+        assert stats["proximal_forward"] == 1.0 and t.forwards == forwards, (algo, t.forwards)
