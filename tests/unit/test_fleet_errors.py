@@ -57,6 +57,10 @@ def test_a_stop_signal_that_lands_in_a_finalizer_prints_nothing_and_still_stops_
 
     seen: list[BaseException | None] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    # The signal arms the launcher's watchdog, which os._exit()s its process HARD_EXIT_S later: here
+    # that is the test runner's worker, killed minutes later in the middle of another test.
+    armed: list[int] = []
+    monkeypatch.setattr(Fleet, "_watchdog", lambda self, signum: armed.append(signum))
     fleet = Fleet(parse_config({"run": {"dir": str(tmp_path / "run")}}, source="test"))
 
     class SignalledWhileCollected:
@@ -78,4 +82,5 @@ def test_a_stop_signal_that_lands_in_a_finalizer_prints_nothing_and_still_stops_
         obj = FailsWhileCollected()
         del obj
     assert [type(e) for e in seen] == [ValueError]
+    assert armed == [signal.SIGTERM]
     assert signal.getsignal(signal.SIGTERM) == before
