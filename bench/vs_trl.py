@@ -15,7 +15,7 @@ Phases (each its own process, so each starts with the GPU to itself), grouped so
 device call of at most 10 minutes (`plan` prints the estimates, seconds measured on the H200 run of
 2026-12-01/02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
 repeats and vLLM alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM, both workloads, then TRL with
-generate); `levers` (`lp`, the 0.5B fleet with vLLM's log-prob output, then `stale2`, `chunked`, `fused`)
+generate); `levers` (`lp`, the 0.5B fleet with vLLM's log-prob output, then `fused`, `stale2`, `chunked`)
 and `levers2` (`compile`) get what is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
@@ -120,11 +120,12 @@ LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str
     # The configuration of the 2026-12-01 run: vLLM returns each sampled token's log-prob (decoupled PPO's
     # behaviour policy), every CUDA-graph size vLLM captures by default.
     "lp": ({}, {"cudagraph_max_batch": None}, {"behaviour_logprobs": "engine"}, {}),
+    # The trainer paces the 1.5B step (2026-12-02): its levers come before the rest.
+    "fused": ({"fused_optimizer": True}, {}, {}, {}),
     # At 0.5B the chain generate -> reference -> train -> sync paces the step at staleness 1 (2026-12-02:
     # 71% utilization); a batch may then be two versions old, so generation runs one more step ahead.
     "stale2": ({}, {}, {}, {"max_staleness": 2}),
     "chunked": ({"logprob_chunk_tokens": 1024}, {}, {}, {}),
-    "fused": ({"fused_optimizer": True}, {}, {}, {}),
     "compile": ({"compile": True}, {}, {}, {}),
 }
 # What a CPU dry run can start: no vLLM (its options are refused by the transformers engine) and no
@@ -134,25 +135,26 @@ DRY_LEVERS = {"logprob_chunk_tokens": 2, "fused_optimizer": True}
 
 def phases() -> list[Phase]:
     out: list[Phase] = []
-    # Seconds each phase took on the H200 runs of 2026-12-01/02 (bench/results/vs_trl-2026120[12]T*.json),
-    # launch to exit, less the 25-61 s the controller then lost to gRPC's reconnect backoff (fixed since).
-    # A fleet phase ends once its last measured step is in. The first launch of a shape on a fresh host
-    # compiles vLLM (~60 s more than the estimate), so a group's first fleet repeat runs long.
+    # Seconds each phase took on the H200 run of 2026-12-02 07:18 (bench/results/vs_trl-20261202T07*.json),
+    # launch to exit, rounded up: a fleet repeat 92-128 s at 0.5B and 110-169 s at 1.5B (the first
+    # launch of a shape compiles vLLM), vLLM alone 44-59 s (it loads the repeats' graphs), TRL with vLLM
+    # 124-132 s plus ~40 s now that it compiles on caches of its own, a lever 75-85 s when it loads the
+    # repeats' graphs (`lp` changes the CUDA-graph sizes and compiles; `compile` adds torch.compile).
+    # A fleet phase ends once its last measured step is in.
     # Groups hold at most ~9.5 min, one device call each, in the order one 30-minute session runs them:
     # the 1.5B repeats (what earlier sessions could not fit) and the 0.5B repeats, each with vLLM alone
     # after them (it loads the graphs they compiled), then the peers and, last, TRL with `generate`
     # (the second peer row, the least needed).
-    est = {"trl-vllm-0.5b": 155, "trl-vllm-1.5b": 165, "vllm-alone-0.5b": 90, "vllm-alone-1.5b": 90,
-           "fleet-0.5b": 140, "fleet-1.5b": 155, "trl-0.5b": 120}
+    est = {"trl-vllm-0.5b": 170, "trl-vllm-1.5b": 165, "vllm-alone-0.5b": 70, "vllm-alone-1.5b": 70,
+           "fleet-0.5b": 115, "fleet-1.5b": 150, "trl-0.5b": 90, "lever": 100}
     for w in ("1.5b", "0.5b"):
         out += [Phase(f"fleet-{w}-r{i}", "fleet", w, w, est[f"fleet-{w}"]) for i in (1, 2, 3)]
         out.append(Phase(f"vllm-alone-{w}", "vllm-alone", w, w, est[f"vllm-alone-{w}"]))
     out += [Phase(f"trl-vllm-{w}", "trl-vllm", w, "peers", est[f"trl-vllm-{w}"]) for w in ("1.5b", "0.5b")]
     out.append(Phase("trl-0.5b", "trl", "0.5b", "peers", est["trl-0.5b"]))
     for lever, (algo_opts, vllm_opts, gen_opts, flow_opts) in LEVERS.items():
-        # compile compiles from cold: about a minute more than the baseline's start
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", "levers2" if lever == "compile" else "levers",
-                         est["fleet-0.5b"] + (60 if lever == "compile" else 0), algo_opts=algo_opts,
+                         est["lever"] + {"lp": 45, "compile": 75}.get(lever, 0), algo_opts=algo_opts,
                          vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, lever=lever))
     out += [Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 200, algo="ppo"),
             Phase("fleet-0.5b-hf", "fleet", "0.5b", "extra", 250, engine="transformers", process=False),
