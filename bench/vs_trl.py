@@ -645,7 +645,7 @@ def engine_options(workload: str) -> dict[str, Any]:
     """`VLLMEngine.from_path` options of the fleet repeats' actor engine for `workload`."""
     from services.core.config import parse_config
 
-    (rep1,) = [p for p in phases() if p.name == f"fleet-{workload}-r1"]
+    (rep1,) = select(f"fleet-{workload}-r1")
     cfg = parse_config(fleet_config(rep1, model_dir(workload), 0, dry=False), source=rep1.name)
     return cfg.generation.vllm.engine_options()
 
@@ -670,12 +670,16 @@ def framework(p: Phase) -> str:
     return "trl" if p.kind.startswith("trl") else "rlfleet"
 
 
+def _home(p: Phase) -> Path:
+    return WORK / "home" / framework(p)
+
+
 def phase_env(p: Phase) -> dict[str, str]:
     """Each framework compiles into caches of its own: vLLM's graphs, Inductor's and Triton's kernels,
     FlashInfer's JIT (everything under a home of its own). Its first launch on the host compiles from
     cold, as a user's first run does, later launches load what it compiled, and no framework starts on
     kernels another one compiled (on 2026-12-02 TRL ran after rlfleet on one shared cache)."""
-    home = WORK / "home" / framework(p)
+    home = _home(p)
     home.mkdir(parents=True, exist_ok=True)
     env = os.environ.copy()
     env.pop("VLLM_CACHE_ROOT", None)
@@ -687,7 +691,7 @@ def phase_env(p: Phase) -> dict[str, str]:
 def vllm_compile_cache(p: Phase) -> set[str]:
     """vLLM's compiled-graph cache entries of `p`'s framework, one per model and engine configuration
     (its hash). A phase that adds one compiled from cold; one that adds none loaded its graphs."""
-    cache = Path(phase_env(p)["XDG_CACHE_HOME"]) / "vllm" / "torch_compile_cache"
+    cache = _home(p) / ".cache" / "vllm" / "torch_compile_cache"
     return {d.name for d in cache.iterdir()} if cache.is_dir() else set()
 
 
@@ -780,7 +784,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             result["phases"][p.name] = {"skipped": f"{left:.0f} s left of the {args.deadline_s:.0f} s deadline"}
             continue
         say(f"phase {p.name} (estimate {p.est_s:.0f} s, {left:.0f} s left)")
-        cached = vllm_compile_cache(p)
+        cached = vllm_compile_cache(p) if uses_vllm(p) else set()
         try:
             result["phases"][p.name] = run_phase(p, min(max(p.est_s * 2.5, 60), left - 10), gpu,
                                                  result["phases"], i)

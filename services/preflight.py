@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from services.core.config import ModelSpec, RunConfig
 from services.core.trackers import check_trackers
+from services.models.paths import model_dir
 
 __all__ = ["PreflightError", "RunState", "check_fleet", "check_local", "run_state"]
 
@@ -101,7 +102,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _model_dir(spec: ModelSpec, role: str, run_dir: Path) -> Path | None:
     """The model directory of `role` when it already exists (checked), None when it will be built."""
-    path = Path(spec.path) if spec.path is not None else run_dir / "models" / role
+    path = model_dir(spec, role, run_dir)
     field = f"models.{role}.path"
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         if spec.gguf_file is not None:  # dequantized into `path` at start-up

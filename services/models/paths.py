@@ -24,11 +24,16 @@ def _spec_mismatch(info: dict[str, Any], spec: ModelSpec, task: Task, seed: int)
     return [k for k, v in want.items() if info.get(k) != v]
 
 
+def model_dir(spec: ModelSpec, role: str, run_dir: Path) -> Path:
+    """Where `role`'s model lives: `spec.path`, else `run_dir/models/<role>`."""
+    return Path(spec.path) if spec.path is not None else Path(run_dir) / "models" / role
+
+
 def given_by_path(spec: ModelSpec, role: str, run_dir: Path) -> bool:
     """A model the user supplied as a directory that exists: nothing to build or convert, so the
     launcher need not import the model code (seconds of torch and transformers) before it starts
     services. A directory a tiny-model build left is not "given": its spec is checked on resolve."""
-    path = Path(spec.path) if spec.path is not None else Path(run_dir) / "models" / role
+    path = model_dir(spec, role, run_dir)
     return spec.gguf_file is None and spec.build is None and path.is_dir() and any(path.iterdir())
 
 
@@ -40,7 +45,7 @@ def resolve_model_path(spec: ModelSpec, role: str, task: Task, run_dir: Path, se
     a causal LM otherwise). A directory we built for a different task, spec or seed is an error rather
     than a silent reuse of the wrong model.
     """
-    path = Path(spec.path) if spec.path is not None else Path(run_dir) / "models" / role
+    path = model_dir(spec, role, run_dir)
     if spec.gguf_file is not None:
         from services.models.gguf_model import materialize_gguf  # builders import transformers' models (~2 s)
 

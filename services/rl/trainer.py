@@ -121,9 +121,11 @@ class PolicyTrainer:
         engine_logprobs = self.behaviour_logprobs == "engine"
         # A response's sum is divided by one constant whatever width its micro-batch is cut to.
         norm_len = algo.loss_norm_len or r.response_ids.shape[1]
-        proximal_forward = (off_policy or not engine_logprobs) and self.weights_move_within(len(r))
-        old: torch.Tensor | None
-        behaviour: torch.Tensor | None
+        proximal = off_policy or not engine_logprobs  # clip against the proximal policy, not the behaviour
+        proximal_forward = proximal and self.weights_move_within(len(r))
+        behaviour = r.behaviour_logprobs if proximal and engine_logprobs else None
+        # `old`: the behaviour's log-probs, the proximal ones scored up front, or None: each forward's own.
+        old: torch.Tensor | None = None if proximal else r.behaviour_logprobs
         if proximal_forward:
             with torch.no_grad():
                 old = score_rows(
@@ -132,11 +134,6 @@ class PolicyTrainer:
                     size=algo.micro_batch_size or algo.minibatch_size, tokens=algo.micro_batch_tokens,
                     pack=algo.pack_sequences,
                 )
-            behaviour = r.behaviour_logprobs if engine_logprobs else None
-        elif off_policy or not engine_logprobs:
-            old, behaviour = None, r.behaviour_logprobs if engine_logprobs else None  # old: each forward's own
-        else:
-            old, behaviour = r.behaviour_logprobs, None
 
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         acc: dict[str, list[float]] = defaultdict(list)
