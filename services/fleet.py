@@ -227,10 +227,8 @@ class Fleet:
         build = not given_by_path(self.base_cfg.models.policy, "policy", self.run_dir)
         if build:
             with self.hold_signals(nothing_started=True):  # loads transformers and torch: see hold_signals
-                from services.core.entry import quiet_torch
                 from services.models import roles
 
-                quiet_torch()  # the build runs in this process, beside the services it starts
                 roles.import_builders()  # the model code roles.prepare may build with (services import it lazily)
         self.preflight()
         ports = self.reserve_ports()

@@ -38,7 +38,8 @@ def _prepare(cfg: dict[str, object]) -> dict[str, bool]:
 def test_a_policy_given_by_path_starts_redis_without_the_launcher_importing_torch(tmp_path: Path,
                                                                                   tiny_model: Path) -> None:
     # Seen on the H200: the launcher spent seconds (24 s on a loaded 2-core host) importing torch and
-    # transformers before it started Redis and any service, though a model given by path needs no build.
+    # transformers' model code before it started Redis and any service, though a model given by path
+    # needs no build. (`rlfleet up` itself still imports torch first, in quiet_torch: see services/cli.py.)
     got = _prepare({"run": {"dir": str(tmp_path / "run")}, "models": {"policy": {"path": str(tiny_model)}}})
     assert got == {"torch": False, "transformers": False, "redis": True}
     recs = [json.loads(ln) for ln in (tmp_path / "run" / "logs" / "launcher.log").read_text().splitlines()
