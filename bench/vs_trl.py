@@ -13,13 +13,15 @@ the loss), lr 1e-6, one epoch, one optimizer step per step, micro-batches of 16 
 
 Phases (each its own process, so each starts with the GPU to itself), grouped so that one group fits one
 device call of at most 10 minutes (`plan` prints the estimates, seconds measured on the H200 run of
-2026-12-01/02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
-repeats and vLLM alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM, both workloads, then TRL with
-generate); `levers` (`lp`, the 0.5B fleet with vLLM's log-prob output, then `fused`, `stale2`, `chunked`)
-and `levers2` (`compile`) get what is left. A run first checks, in seconds, that every service and both
+2026-12-02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
+repeats and vLLM alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM, both workloads, and a second
+run at 0.5B), `peers2` (TRL with vLLM's other repeats, then TRL with generate); `levers` (`lp`, the 0.5B
+fleet with vLLM's log-prob output, then `fused`, `stale2`, `chunked`) and `levers2` (`compile`) get what
+is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
-- `trl-vllm-<w>`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the peer.
+- `trl-vllm-<w>`, `-r2`, `-r3`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the
+  peer, repeated like rlfleet (ratios are taken to its fastest run; `vs_trl_report`).
 - `fleet-<w>-r1..r3`: `rlfleet up`, every service on the GPU, `engine: vllm` in its own process, three
   times: median and spread. rlfleet's configuration for this workload (`FLEET_GENERATION`, `FLEET_VLLM`):
   the trainer's proximal log-probs score every batch (`generation.behaviour_logprobs: trainer`, no
@@ -135,23 +137,30 @@ DRY_LEVERS = {"logprob_chunk_tokens": 2, "fused_optimizer": True}
 
 def phases() -> list[Phase]:
     out: list[Phase] = []
-    # Seconds each phase took on the H200 run of 2026-12-02 07:18 (bench/results/vs_trl-20261202T07*.json),
-    # launch to exit, rounded up: a fleet repeat 92-128 s at 0.5B and 110-169 s at 1.5B (the first
-    # launch of a shape compiles vLLM), vLLM alone 44-59 s (it loads the repeats' graphs), TRL with vLLM
-    # 124-132 s plus ~40 s now that it compiles on caches of its own, a lever 75-85 s when it loads the
-    # repeats' graphs (`lp` changes the CUDA-graph sizes and compiles; `compile` adds torch.compile).
+    # Seconds each phase took on the H200 run of 2026-12-02 13:09 (bench/results/vs_trl-20261202T13*.json),
+    # launch to exit, plus ~10%: a fleet repeat 84-107 s at 0.5B and 86-157 s at 1.5B (the first launch
+    # of a shape compiles vLLM), vLLM alone 49-60 s (it loads the repeats' graphs), TRL with vLLM 80-97 s
+    # at 0.5B and 153 s at 1.5B, TRL with `generate` 81 s, a lever ~93 s when it loads the repeats'
+    # graphs (`lp` changes the CUDA-graph sizes and compiles; `compile` adds torch.compile).
     # A fleet phase ends once its last measured step is in.
     # Groups hold at most ~9.5 min, one device call each, in the order one 30-minute session runs them:
-    # the 1.5B repeats (what earlier sessions could not fit) and the 0.5B repeats, each with vLLM alone
-    # after them (it loads the graphs they compiled), then the peers and, last, TRL with `generate`
-    # (the second peer row, the least needed).
-    est = {"trl-vllm-0.5b": 170, "trl-vllm-1.5b": 165, "vllm-alone-0.5b": 70, "vllm-alone-1.5b": 70,
-           "fleet-0.5b": 115, "fleet-1.5b": 150, "trl-0.5b": 90, "lever": 100}
+    # the 1.5B repeats and the 0.5B repeats, each with vLLM alone after them (it loads the graphs they
+    # compiled), then TRL with vLLM, whose runs vary more than rlfleet's (57.2 and 35.6 samples/s at 0.5B
+    # on 2026-12-02): a first run of each shape and a second at 0.5B, then `peers2` with the rest of its
+    # repeats and, last, TRL with `generate` (the second peer row, the least needed).
+    est = {"fleet-1.5b-r1": 170, "fleet-1.5b": 115, "vllm-alone-1.5b": 65,
+           "fleet-0.5b-r1": 120, "fleet-0.5b": 100, "vllm-alone-0.5b": 55,
+           "trl-vllm-1.5b": 170, "trl-vllm-1.5b-r": 160, "trl-vllm-0.5b": 105, "trl-0.5b": 90, "lever": 100}
     for w in ("1.5b", "0.5b"):
-        out += [Phase(f"fleet-{w}-r{i}", "fleet", w, w, est[f"fleet-{w}"]) for i in (1, 2, 3)]
+        out += [Phase(f"fleet-{w}-r{i}", "fleet", w, w, est.get(f"fleet-{w}-r{i}", est[f"fleet-{w}"]))
+                for i in (1, 2, 3)]
         out.append(Phase(f"vllm-alone-{w}", "vllm-alone", w, w, est[f"vllm-alone-{w}"]))
+    peer_est = {"1.5b": est["trl-vllm-1.5b-r"], "0.5b": est["trl-vllm-0.5b"]}
     out += [Phase(f"trl-vllm-{w}", "trl-vllm", w, "peers", est[f"trl-vllm-{w}"]) for w in ("1.5b", "0.5b")]
-    out.append(Phase("trl-0.5b", "trl", "0.5b", "peers", est["trl-0.5b"]))
+    out.append(Phase("trl-vllm-0.5b-r2", "trl-vllm", "0.5b", "peers", peer_est["0.5b"]))
+    out += [Phase(n, "trl-vllm", w, "peers2", peer_est[w])
+            for n, w in (("trl-vllm-1.5b-r2", "1.5b"), ("trl-vllm-0.5b-r3", "0.5b"), ("trl-vllm-1.5b-r3", "1.5b"))]
+    out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
     for lever, (algo_opts, vllm_opts, gen_opts, flow_opts) in LEVERS.items():
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", "levers2" if lever == "compile" else "levers",
                          est["lever"] + {"lp": 45, "compile": 75}.get(lever, 0), algo_opts=algo_opts,
@@ -162,7 +171,7 @@ def phases() -> list[Phase]:
     return out
 
 
-DEFAULT_GROUPS = ("1.5b", "0.5b", "peers", "levers", "levers2")
+DEFAULT_GROUPS = ("1.5b", "0.5b", "peers", "peers2", "levers", "levers2")
 
 
 def select(spec: str | None) -> list[Phase]:
