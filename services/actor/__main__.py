@@ -1,4 +1,6 @@
-from services.actor.server import serve
 from services.core.entry import service_main
+from services.models.engine_boot import start_early
 
-service_main("actor", serve)
+# The server module (torch, transformers, the trainer: ~15 s on a GPU host) is imported after the
+# engine's process has started, so that the two start at once.
+service_main("actor", "services.actor.server:serve", prestart=start_early)

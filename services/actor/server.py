@@ -53,24 +53,17 @@ class Actor:
         self.cfg = cfg
         path = Path(cfg.models.policy.path)
         self.tokenizer = load_tokenizer(path)
-        # Several trainer ranks: this process is rank 0 of a group it starts here, on the main
-        # thread (followers die with the thread that started them).
-        self.ranks = RankGroup(cfg, "actor") if world_size(cfg, "actor") > 1 else None
-        if self.ranks is not None:
-            self.policy, trainer = self.ranks.trainer.model, self.ranks.trainer.trainer
-        else:
-            self.policy = build_model(cfg, "actor", cfg.endpoint("actor").device)
-            trainer = build_trainer(cfg, "actor", self.policy)
-        assert isinstance(trainer, PolicyTrainer) and (isinstance(self.policy, PreTrainedModel) or is_lora(self.policy))
-        self.trainer = trainer
-        if cfg.models.policy.lora is not None:
-            check_only_adapters_train(self.policy, self.trainer.opt)
-        # A peft wrapper passes `config` through to its model; peft is imported only by LoRA runs.
-        vocab = int(cast(PreTrainedModel, self.policy).config.vocab_size)
-        self.limits = Limits.for_run(cfg, vocab_size=vocab)
+        # The engine first: its start is the longest (vLLM's compile and memory profiling), it may
+        # already be under way (services.models.engine_boot), and vLLM's profiling must not count the
+        # trainer's allocations as its own.
         self.engine = make_engine(cfg.generation.engine, path,
                                   dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
                                   **cfg.generation.engine_kwargs(cfg.run_dir))
+        try:
+            self._build_trainer(cfg)
+        except BaseException:
+            self.engine.close()
+            raise
         self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt, limits=self.limits, ranks=self.ranks)
         if self.t.restore():
             self.sync_engine(self.t.version)
@@ -87,6 +80,23 @@ class Actor:
         self.engine_lock = asyncio.Lock()  # generation vs weight sync
         self.held = False  # backpressure state
         self.fill = 0.0
+
+    def _build_trainer(self, cfg: RunConfig) -> None:
+        # Several trainer ranks: this process is rank 0 of a group it starts here, on the main
+        # thread (followers die with the thread that started them).
+        self.ranks = RankGroup(cfg, "actor") if world_size(cfg, "actor") > 1 else None
+        if self.ranks is not None:
+            self.policy, trainer = self.ranks.trainer.model, self.ranks.trainer.trainer
+        else:
+            self.policy = build_model(cfg, "actor", cfg.endpoint("actor").device)
+            trainer = build_trainer(cfg, "actor", self.policy)
+        assert isinstance(trainer, PolicyTrainer) and (isinstance(self.policy, PreTrainedModel) or is_lora(self.policy))
+        self.trainer = trainer
+        if cfg.models.policy.lora is not None:
+            check_only_adapters_train(self.policy, self.trainer.opt)
+        # A peft wrapper passes `config` through to its model; peft is imported only by LoRA runs.
+        vocab = int(cast(PreTrainedModel, self.policy).config.vocab_size)
+        self.limits = Limits.for_run(cfg, vocab_size=vocab)
 
     def weights(self) -> Any:
         """(name, tensor) pairs of the whole policy, for the engine: gathered from every rank, or

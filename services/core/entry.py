@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -10,6 +11,14 @@ from collections.abc import Callable
 
 from services.core.config import ConfigError, RunConfig, load_config
 from services.core.logs import setup_logging
+
+Serve = Callable[[RunConfig], None]
+
+
+def torch_threads() -> int:
+    """Intra-op threads per service process (RLFLEET_TORCH_THREADS, default 1); an engine's child
+    process takes the same."""
+    return int(os.environ.get("RLFLEET_TORCH_THREADS", "1"))
 
 
 def quiet_torch() -> None:
@@ -20,11 +29,16 @@ def quiet_torch() -> None:
     import torch
     import transformers
 
-    torch.set_num_threads(int(os.environ.get("RLFLEET_TORCH_THREADS", "1")))
+    torch.set_num_threads(torch_threads())
     transformers.utils.logging.disable_progress_bar()
 
 
-def service_main(name: str, serve: Callable[[RunConfig], None]) -> None:
+def service_main(name: str, serve: Serve | str, *, prestart: Callable[[RunConfig], None] | None = None) -> None:
+    """Parse the arguments, set up logging, load and check the config, then run `serve(cfg)`.
+
+    `serve` may be named as "module:function", imported only once the config is valid, after
+    `prestart(cfg)`: what `prestart` starts (the actor's engine process) then runs while this process
+    imports torch and the service (`services.models.engine_boot`)."""
     p = argparse.ArgumentParser(prog=f"python -m services.{name}")
     p.add_argument("--config", required=True, help="run config (YAML); `rlfleet up` writes RUN_DIR/fleet.yaml")
     p.add_argument("--log-level", default="INFO")
@@ -32,7 +46,6 @@ def service_main(name: str, serve: Callable[[RunConfig], None]) -> None:
                    help="run as extra replica K of a stateless scorer: same consumer group, free ports")
     args = p.parse_args()
     setup_logging(name, args.log_level)
-    quiet_torch()
     try:
         cfg = load_config(args.config)
         cfg.check_secrets()
@@ -43,6 +56,13 @@ def service_main(name: str, serve: Callable[[RunConfig], None]) -> None:
         logging.getLogger("rlfleet").error("redis.url is not set; start services with `rlfleet up`, "
                                            "or set redis.url in the config")
         sys.exit(2)
+    if prestart is not None:
+        prestart(cfg)
+    quiet_torch()
+    if isinstance(serve, str):
+        module, _, attr = serve.partition(":")
+        serve = getattr(importlib.import_module(module), attr)
+        assert callable(serve), f"{module}:{attr} is not callable"
     if args.replica:
         ep = cfg.endpoint(name).model_copy(update={"grpc_port": 0, "http_port": 0})  # type: ignore[arg-type]
         cfg = cfg.model_copy(update={"services": {**cfg.services, name: ep}})

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing as mp
@@ -53,6 +53,9 @@ from services.models.engine import (
 )
 from services.models.gate import CallGate
 from services.models.weight_transfer import Bucket, Link, Receiver, Sender, backend_for
+
+if TYPE_CHECKING:
+    from services.models.engine_boot import StartedEngine  # which spawns this module's _child
 
 log = logging.getLogger(__name__)
 
@@ -183,14 +186,19 @@ class ProcessEngine:
     def __init__(self, name: str, model_path: Path, start_timeout_s: float = 900.0, *,
                  visible_devices: str | None = None, label: str = "", threads: int | None = None,
                  transfer: str = "ipc", transfer_backend: str = "auto", transfer_bucket_bytes: int = 512 * 2**20,
-                 transfer_timeout_s: float = 300.0, **kw: Any) -> None:
+                 transfer_timeout_s: float = 300.0, started: StartedEngine | None = None, **kw: Any) -> None:
         """`visible_devices` (CUDA_VISIBLE_DEVICES of the child) pins the engine to its GPUs; `label`
         names the process (e.g. the replica); `threads` caps the child's CPU threads (default: this
         process's). `transfer` is how weight syncs reach the child: "ipc" (by reference) or
         "collective" (broadcast over `transfer_backend`, auto/nccl/gloo, in buckets of
-        `transfer_bucket_bytes`, bounded by `transfer_timeout_s`)."""
+        `transfer_bucket_bytes`, bounded by `transfer_timeout_s`). `started`: the child
+        `engine_boot.start_early` already spawned for this engine, to wait for instead of a new one."""
         if transfer not in ("ipc", "collective"):
             raise EngineError(f"unknown weight transfer {transfer!r}: use 'ipc' or 'collective'")
+        if started is not None and (transfer != "ipc" or visible_devices is not None):
+            started.stop()
+            raise EngineError("an engine process started early takes its weights by reference on the"
+                              " trainer's devices; this engine is pinned elsewhere or takes them by broadcast")
         self._sender: Sender | None = None
         if transfer == "collective":
             dtype = getattr(torch, str(kw.get("dtype", "float32")), None)
@@ -198,19 +206,22 @@ class ProcessEngine:
                                   timeout_s=transfer_timeout_s,
                                   bucket_bytes=transfer_bucket_bytes,
                                   engine_dtype=dtype if isinstance(dtype, torch.dtype) else None)
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        self._ctrl, child_ctrl = ctx.Pipe()
-        self._proc = ctx.Process(target=_child, name=f"engine-{name}{label}", daemon=True,
-                                 args=(child_conn, child_ctrl, name, str(model_path), kw,
-                                       threads or torch.get_num_threads(), visible_devices,
-                                       self._sender.link if self._sender else None,
-                                       (f"{svc}.engine{label}", logging.getLogger().getEffectiveLevel())
-                                       if (svc := current_service()) else None))
-        t0 = time.monotonic()
-        self._proc.start()
-        child_conn.close()
-        child_ctrl.close()
+        if started is not None:
+            self._conn, self._ctrl, self._proc, t0 = started.conn, started.ctrl, started.proc, started.t0
+        else:
+            ctx = mp.get_context("spawn")
+            self._conn, child_conn = ctx.Pipe()
+            self._ctrl, child_ctrl = ctx.Pipe()
+            self._proc = ctx.Process(target=_child, name=f"engine-{name}{label}", daemon=True,
+                                     args=(child_conn, child_ctrl, name, str(model_path), kw,
+                                           threads or torch.get_num_threads(), visible_devices,
+                                           self._sender.link if self._sender else None,
+                                           (f"{svc}.engine{label}", logging.getLogger().getEffectiveLevel())
+                                           if (svc := current_service()) else None))
+            t0 = time.monotonic()
+            self._proc.start()
+            child_conn.close()
+            child_ctrl.close()
         self._lock = threading.Lock()  # one request on the main pipe at a time
         self._ctrl_lock = threading.Lock()
         self._gate = CallGate()  # a generate call carries the abort epoch it started in to the child
@@ -225,7 +236,7 @@ class ProcessEngine:
         self._eos = tuple(int(t) for t in msg["eos"])
         self._describe = dict(msg["describe"], process=self._proc.pid, weight_transfer=transfer)
         self.last_sync: dict[str, float] = {}
-        log.info("engine process started", extra={"engine": name, "pid": self._proc.pid,
+        log.info("engine process started", extra={"engine": name, "pid": self._proc.pid, "early": started is not None,
                                                    "seconds": round(time.monotonic() - t0, 1)})
 
     def _wait_ready(self, timeout_s: float) -> dict[str, Any]:

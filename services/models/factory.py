@@ -69,11 +69,16 @@ def make_engine(
         return _make_replicas(name, model_path, replicas, tensor_parallel_size, weight_transfer, transfer,
                               dtype=dtype, device=device, micro_batch=micro_batch, **options)
     if process:
+        from services.models import engine_boot
         from services.models.engine_proc import ProcessEngine
 
-        # One engine process runs where the actor does: it shares the trainer's device.
+        # One engine process runs where the actor does: it shares the trainer's device. The actor may
+        # have spawned it before its own imports (engine_boot.start_early).
+        started = engine_boot.take(name, str(model_path), dict(dtype=dtype, device=device, micro_batch=micro_batch,
+                                                               **options))
         return ProcessEngine(name, model_path, transfer=resolve(weight_transfer, shares_trainer_device=True),
-                             dtype=dtype, device=device, micro_batch=micro_batch, **transfer, **options)
+                             started=started, dtype=dtype, device=device, micro_batch=micro_batch, **transfer,
+                             **options)
     return build_engine(name, model_path, dtype=dtype, device=device, micro_batch=micro_batch, **options)
 
 
