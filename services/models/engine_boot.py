@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from services.core.config import RunConfig
@@ -83,9 +84,10 @@ def start_early(cfg: RunConfig) -> None:
     """Spawn the actor's engine process now, where its configuration allows (`child_options`)."""
     global _started
     kw = child_options(cfg)
-    if kw is None or _started is not None:
+    if kw is None or _started is not None or cfg.models.policy.path is None:
         return
-    name, path = cfg.generation.engine, str(cfg.models.policy.path)
+    # As make_engine will see it: the actor passes Path(models.policy.path).
+    name, path = cfg.generation.engine, str(Path(cfg.models.policy.path))
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     ctrl, child_ctrl = ctx.Pipe()
