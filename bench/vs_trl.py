@@ -741,6 +741,23 @@ def run_phase(p: Phase, cap: float, gpu: GpuSampler, done: dict[str, Any], index
     return phase_fleet(p, cap, gpu, 51100 + 20 * (index % 40))
 
 
+def host_snapshot() -> dict[str, Any]:
+    """What else the host was doing around a phase: load average, mean CPU clock and the processes with
+    the most CPU time. TRL with vLLM ran at 57.2 and 35.6 samples/s minutes apart on 2026-12-02, held on
+    the CPU side in the slow run; this tells a busy or throttled host from a slow framework."""
+    snap: dict[str, Any] = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        mhz = [float(ln.split(":")[1]) for ln in Path("/proc/cpuinfo").read_text().splitlines()
+               if ln.startswith("cpu MHz")]
+        snap["cpu_mhz"] = round(statistics.fmean(mhz)) if mhz else None
+        ps = subprocess.run(["ps", "-eo", "pid,pcpu,etimes,comm", "--sort=-pcpu", "--no-headers"],
+                            capture_output=True, text=True, timeout=10).stdout
+        snap["busiest"] = [" ".join(ln.split()) for ln in ps.splitlines()[:6]]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return snap
+
+
 SERVICE_MODULES = tuple(f"services.{n}.server" for n in PORTS)
 IMPORT_CHECK = r'''
 import importlib, sys
@@ -794,12 +811,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             continue
         say(f"phase {p.name} (estimate {p.est_s:.0f} s, {left:.0f} s left)")
         cached = vllm_compile_cache(p) if uses_vllm(p) else set()
+        before = host_snapshot()
         try:
             result["phases"][p.name] = run_phase(p, min(max(p.est_s * 2.5, 60), left - 10), gpu,
                                                  result["phases"], i)
         except Exception as err:  # one broken phase must not cost the others
             result["phases"][p.name] = {"error": f"{type(err).__name__}: {err}"}
         ph = result["phases"][p.name]
+        ph["host"] = {"before": before, "after": host_snapshot()}
         if uses_vllm(p):
             ph["vllm_compile"] = "cold" if vllm_compile_cache(p) - cached else "cached"
         ph["seconds"] = time.time() - float(ph.get("t0", time.time()))

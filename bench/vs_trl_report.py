@@ -180,6 +180,16 @@ def _first_step(p: dict[str, Any]) -> str:
     return _f(p.get("first_step_s"), 0) + (" (compiled)" if p.get("vllm_compile") == "cold" else "")
 
 
+def _host(p: dict[str, Any]) -> str:
+    """The host around a phase, where the run recorded it: 1-minute load before and after, CPU clock."""
+    h = p.get("host") or {}
+    b, a = h.get("before") or {}, h.get("after") or {}
+    if not b.get("loadavg"):
+        return ""
+    mhz = f", CPU {b['cpu_mhz']} → {a.get('cpu_mhz')} MHz" if b.get("cpu_mhz") else ""
+    return f"; host load {b['loadavg'][0]:.1f} → {(a.get('loadavg') or [0])[0]:.1f}{mhz}"
+
+
 def _peer_rows(ph: dict[str, Any], s: dict[str, Any], w: str, base: float | None) -> list[str]:
     """TRL with vLLM: one row per run, then, for several, the fastest (the one ratios are taken to)."""
     label = "TRL GRPOTrainer, vLLM colocated"
@@ -377,7 +387,7 @@ def render(res: dict[str, Any]) -> str:
             if p.get("stages"):
                 run = f" (run {i + 1}, {p['samples_per_s']:.1f} samples/s)" if len(s["peers"]) > 1 else ""
                 lines.append(f"- TRL's own per-step timers{run} (median s): " + ", ".join(
-                    f"{k.split('.')[-1]} {v:.2f}" for k, v in sorted(p["stages"].items())))
+                    f"{k.split('.')[-1]} {v:.2f}" for k, v in sorted(p["stages"].items())) + _host(p))
         lines.append("")
     lines += ["### Levers (0.5B, one run each, against the median of the three 0.5B repeats)\n",
               "| lever | samples/s | vs baseline | step s | actor_train s | reference s | GPU util % | first step s"

@@ -111,7 +111,10 @@ def test_the_ratio_is_taken_to_trls_fastest_run_and_a_peer_measured_again_is_its
     # TRL with vLLM ran at 57.2 and 35.6 samples/s minutes apart (2026-12-02): a second call that measures
     # it again adds a repeat; the ratio holds against its fastest run, the median's ratio is said beside it.
     a, b = _result([80.0, 88.0, 84.0], [40.0, 41.0, 42.0]), _result([80.0, 88.0, 84.0], [40.0, 41.0, 42.0])
-    a["phases"]["trl-vllm-0.5b"].update(samples_per_s=42.0, first_step_s=50.0, vllm_compile="cold")
+    a["phases"]["trl-vllm-0.5b"].update(samples_per_s=42.0, first_step_s=50.0, vllm_compile="cold",
+                                        stages={"GRPOTrainer.vLLM.generate": 2.0},
+                                        host={"before": {"loadavg": [3.0, 1.0, 1.0], "cpu_mhz": 2000},
+                                              "after": {"loadavg": [9.5, 2.0, 1.0], "cpu_mhz": 1500}})
     b["phases"] = {"trl-vllm-0.5b": {**_fleet(30.0, 45.0), "stages": {}, "vllm_compile": "cached"}}
     for name, r in (("a.json", a), ("b.json", b)):
         (tmp_path / name).write_text(json.dumps(r))
@@ -127,6 +130,9 @@ def test_the_ratio_is_taken_to_trls_fastest_run_and_a_peer_measured_again_is_its
     md = rep.render(m)
     assert "| TRL GRPOTrainer, vLLM colocated, run 2 | 30.0 |" in md
     assert "| **TRL with vLLM, fastest of 2** (spread 33%; median 36.0) | **42.0** |" in md
+    # What else the host did around each run: a busy or throttled host is told from a slow peer.
+    assert ("- TRL's own per-step timers (run 1, 42.0 samples/s) (median s): generate 2.00; host load 3.0 → 9.5,"
+            " CPU 2000 → 1500 MHz") in md
     # Time to first step like with like on both sides; the larger gap of cold and warm is the verdict.
     for r, state in (("r1", "cold"), ("r2", "cached"), ("r3", "cached")):
         m["phases"][f"fleet-0.5b-{r}"]["vllm_compile"] = state
