@@ -150,16 +150,17 @@ def phases() -> list[Phase]:
     # repeats and, last, TRL with `generate` (the second peer row, the least needed).
     est = {"fleet-1.5b-r1": 170, "fleet-1.5b": 115, "vllm-alone-1.5b": 65,
            "fleet-0.5b-r1": 120, "fleet-0.5b": 100, "vllm-alone-0.5b": 55,
-           "trl-vllm-1.5b": 170, "trl-vllm-1.5b-r": 160, "trl-vllm-0.5b": 105, "trl-0.5b": 90, "lever": 100}
+           "trl-vllm-1.5b": 170, "trl-vllm-0.5b": 105, "trl-0.5b": 90, "lever": 100}
     for w in ("1.5b", "0.5b"):
         out += [Phase(f"fleet-{w}-r{i}", "fleet", w, w, est.get(f"fleet-{w}-r{i}", est[f"fleet-{w}"]))
                 for i in (1, 2, 3)]
         out.append(Phase(f"vllm-alone-{w}", "vllm-alone", w, w, est[f"vllm-alone-{w}"]))
-    peer_est = {"1.5b": est["trl-vllm-1.5b-r"], "0.5b": est["trl-vllm-0.5b"]}
-    out += [Phase(f"trl-vllm-{w}", "trl-vllm", w, "peers", est[f"trl-vllm-{w}"]) for w in ("1.5b", "0.5b")]
-    out.append(Phase("trl-vllm-0.5b-r2", "trl-vllm", "0.5b", "peers", peer_est["0.5b"]))
-    out += [Phase(n, "trl-vllm", w, "peers2", peer_est[w])
-            for n, w in (("trl-vllm-1.5b-r2", "1.5b"), ("trl-vllm-0.5b-r3", "0.5b"), ("trl-vllm-1.5b-r3", "1.5b"))]
+    # TRL's runs in the order they matter: the first of each shape and a second at 0.5B, then the rest.
+    for group, names in (("peers", ("trl-vllm-1.5b", "trl-vllm-0.5b", "trl-vllm-0.5b-r2")),
+                         ("peers2", ("trl-vllm-1.5b-r2", "trl-vllm-0.5b-r3", "trl-vllm-1.5b-r3"))):
+        for name in names:
+            w = name.split("-")[2]
+            out.append(Phase(name, "trl-vllm", w, group, est[f"trl-vllm-{w}"]))
     out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
     for lever, (algo_opts, vllm_opts, gen_opts, flow_opts) in LEVERS.items():
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", "levers2" if lever == "compile" else "levers",
@@ -743,8 +744,9 @@ def run_phase(p: Phase, cap: float, gpu: GpuSampler, done: dict[str, Any], index
 
 def host_snapshot() -> dict[str, Any]:
     """What else the host was doing around a phase: load average, mean CPU clock and the processes with
-    the most CPU time. TRL with vLLM ran at 57.2 and 35.6 samples/s minutes apart on 2026-12-02, held on
-    the CPU side in the slow run; this tells a busy or throttled host from a slow framework."""
+    the highest CPU share over their lifetime (ps's %CPU). TRL with vLLM ran at 57.2 and 35.6 samples/s
+    minutes apart on 2026-12-02, held on the CPU side in the slow run; this tells a busy or throttled
+    host from a slow framework."""
     snap: dict[str, Any] = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
     try:
         mhz = [float(ln.split(":")[1]) for ln in Path("/proc/cpuinfo").read_text().splitlines()

@@ -30,6 +30,11 @@ REPEATS = ("r1", "r2", "r3")
 # its repeats; the headline takes its fastest run, so that "n times faster than TRL" holds against TRL
 # at its best, and the ratio to the median of its runs is stated beside it.
 PEER_REPEATS = ("", "-r2", "-r3")
+
+
+def peer_names(w: str) -> list[str]:
+    """The phases of TRL with vLLM on workload `w`, first run first."""
+    return [f"trl-vllm-{w}{r}" for r in PEER_REPEATS]
 TARGET_RATIO = {"0.5b": 2.0, "1.5b": 1.6}
 TARGET_SPREAD, TARGET_UTIL, TARGET_TTFS_GAP = 0.10, 85.0, 30.0
 LEVER_LABEL = {"lp": "vLLM's per-token log-probs and default CUDA-graph sizes (`generation.behaviour_logprobs:"
@@ -100,7 +105,7 @@ def workload_summary(res: dict[str, Any], w: str) -> dict[str, Any]:
     """The figures of one workload: the peer, the three repeats, the floor and the targets' values."""
     ph, W = res["phases"], res["workload"]
     shape = res["shapes"][w]
-    peers = [ph[f"trl-vllm-{w}{r}"] for r in PEER_REPEATS if ph.get(f"trl-vllm-{w}{r}", {}).get("ok")]
+    peers = [ph[n] for n in peer_names(w) if ph.get(n, {}).get("ok")]
     # The fastest run of the peer is the one the ratio is taken to; without any, the first run says why.
     peer = max(peers, key=lambda p: p["samples_per_s"]) if peers else ph.get(f"trl-vllm-{w}", {})
     reps = [ph[f"fleet-{w}-{r}"] for r in REPEATS if ph.get(f"fleet-{w}-{r}", {}).get("ok")]
@@ -193,7 +198,7 @@ def _host(p: dict[str, Any]) -> str:
 def _peer_rows(ph: dict[str, Any], s: dict[str, Any], w: str, base: float | None) -> list[str]:
     """TRL with vLLM: one row per run, then, for several, the fastest (the one ratios are taken to)."""
     label = "TRL GRPOTrainer, vLLM colocated"
-    names = [f"trl-vllm-{w}{r}" for r in PEER_REPEATS if f"trl-vllm-{w}{r}" in ph] or [f"trl-vllm-{w}"]
+    names = [n for n in peer_names(w) if n in ph] or peer_names(w)[:1]
     if len(names) == 1:
         return [_row(label, ph.get(names[0], {}), base)]
     rows = [_row(f"{label}, run {i + 1}", ph[n], base) for i, n in enumerate(names)]
@@ -223,14 +228,18 @@ def first_step_gap(s: dict[str, Any]) -> tuple[float | None, str]:
         pairs = [("", reps, peers)]
     gaps = []
     for state, mine, theirs in pairs:
-        a, b = _median([p["first_step_s"] for p in mine]), _median([p["first_step_s"] for p in theirs])
+        a, b = _median([p.get("first_step_s") for p in mine]), _median([p.get("first_step_s") for p in theirs])
+        if a is None or b is None:
+            continue
         engine = _median([p.get("engine_start_s") for p in mine])
         n = "the repeat" if len(mine) == 1 else f"median of the {len(mine)} repeats"
         m = "its run" if len(theirs) == 1 else f"median of its {len(theirs)} runs"
         said = f" with {how[state]}" if state else ""
-        gaps.append((float(a or 0) - float(b or 0),
+        gaps.append((a - b,
                      f"rlfleet {a:.0f} s ({n}{said}; its vLLM engine process {_f(engine, 0)} s of it), "
                      f"TRL {b:.0f} s ({m}{said})"))
+    if not gaps:
+        return None, ""
     gap = max(gaps)[0]
     why = "; ".join(w for _, w in gaps)
     if len(reps) > 1:
@@ -340,8 +349,8 @@ def render(res: dict[str, Any]) -> str:
     setup = _fleet_setup(ph)
     if setup:
         lines.append(f"rlfleet's repeats ran with {setup}.\n")
-    for w in TARGET_RATIO:
-        s = workload_summary(res, w)
+    sums = {w: workload_summary(res, w) for w in TARGET_RATIO}
+    for w, s in sums.items():
         peer = s["peer"]
         base = peer.get("samples_per_s") if peer.get("ok") else None
         sh = res["shapes"][w]
@@ -393,7 +402,7 @@ def render(res: dict[str, Any]) -> str:
               "| lever | samples/s | vs baseline | step s | actor_train s | reference s | GPU util % | first step s"
               " | vLLM start s |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    base05 = workload_summary(res, "0.5b").get("samples_per_s")
+    base05 = sums["0.5b"].get("samples_per_s")
     for lever, label in LEVER_LABEL.items():
         p = ph.get(f"fleet-0.5b-{lever}", {})
         if not p.get("ok"):
@@ -410,7 +419,7 @@ def render(res: dict[str, Any]) -> str:
         lines += ["", "| other configuration (0.5B) | samples/s | tokens/s | step s | first step s | GPU util % |"
                   " vs TRL+vLLM |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        peer05 = workload_summary(res, "0.5b")["peer"]
+        peer05 = sums["0.5b"]["peer"]
         lines += [_row(EXTRA_LABEL[k], ph[k], peer05.get("samples_per_s") if peer05.get("ok") else None) for k in extra]
     lines += ["", "Seconds per step by stage (service histograms over the steady window; stages overlap across"
               " services):",

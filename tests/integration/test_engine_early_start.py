@@ -78,3 +78,17 @@ def test_a_child_started_for_another_engine_is_stopped_and_a_new_one_started(
     out = _run(tmp_path, random_model, "other", process=True)
     assert out["early_pid"] is not None and out["engine_pid"] != out["early_pid"]
     assert out["early_alive"] is False and out["tokens"] == 3
+
+
+def test_the_early_child_gets_every_engine_option_make_engine_would_pass_it() -> None:
+    # engine_boot cannot import the factory (torch); it names make_engine's own arguments instead, and an
+    # argument added to make_engine but not there would reach the child as an engine option: the early
+    # child would then never match, and every start would spawn a second one.
+    import inspect
+
+    from services.models.engine_boot import _FACTORY_ARGS
+    from services.models.factory import make_engine
+
+    own = set(inspect.signature(make_engine).parameters) - {"name", "model_path", "dtype", "device", "micro_batch",
+                                                             "options"}
+    assert own == set(_FACTORY_ARGS)
