@@ -16,7 +16,7 @@ device call of at most 10 minutes (`plan` prints the estimates, seconds measured
 2026-12-02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
 repeats and vLLM alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM, both workloads, and a second
 run at 0.5B), `peers2` (TRL with vLLM's other repeats, then TRL with generate); `levers` (`lp`, the 0.5B
-fleet with vLLM's log-prob output, then `fused`, `stale2`, `chunked`) and `levers2` (`compile`) get what
+fleet with vLLM's log-prob output, then `stale2`, `chunked`) and `levers2` (`compile`) get what
 is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
@@ -33,8 +33,8 @@ peers import on the host, and skips a phase that would not finish before `--dead
 - `trl-0.5b`: TRL with `model.generate` (the second peer row).
 - `fleet-0.5b-<lever>`: one change to `fleet-0.5b`: `lp` (vLLM's per-token log-probs and its default
   CUDA-graph sizes: the configuration of the 2026-12-01 run), `stale2` (flow.max_staleness 2),
-  `chunked` (algo.logprob_chunk_tokens),
-  `fused` (algo.fused_optimizer), `compile` (algo.compile).
+  `chunked` (algo.logprob_chunk_tokens), `compile` (algo.compile). Fused AdamW, a lever until the
+  13:08 run of 2026-12-02 (+6%), is rlfleet's default since, as it is transformers' (TRL's optimizer).
 - `extra` (not default): PPO with a critic, the transformers engine, the engine inside the actor.
 
 Steady state drops the first `--warmup` steps and takes medians over the rest. Time to first step runs
@@ -122,8 +122,6 @@ LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str
     # The configuration of the 2026-12-01 run: vLLM returns each sampled token's log-prob (decoupled PPO's
     # behaviour policy), every CUDA-graph size vLLM captures by default.
     "lp": ({}, {"cudagraph_max_batch": None}, {"behaviour_logprobs": "engine"}, {}),
-    # The trainer paces the 1.5B step (2026-12-02): its levers come before the rest.
-    "fused": ({"fused_optimizer": True}, {}, {}, {}),
     # At 0.5B the chain generate -> reference -> train -> sync paces the step at staleness 1 (2026-12-02:
     # 71% utilization); a batch may then be two versions old, so generation runs one more step ahead.
     "stale2": ({}, {}, {}, {"max_staleness": 2}),
@@ -132,7 +130,7 @@ LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str
 }
 # What a CPU dry run can start: no vLLM (its options are refused by the transformers engine) and no
 # inductor (minutes per graph on two cores; tests/unit/test_trainer_levers.py checks compile).
-DRY_LEVERS = {"logprob_chunk_tokens": 2, "fused_optimizer": True}
+DRY_LEVERS = {"logprob_chunk_tokens": 2}
 
 
 def phases() -> list[Phase]:
@@ -157,7 +155,7 @@ def phases() -> list[Phase]:
         out.append(Phase(f"vllm-alone-{w}", "vllm-alone", w, w, est[f"vllm-alone-{w}"]))
     # TRL's runs in the order they matter: the first of each shape and a second at 0.5B, then the rest.
     for group, names in (("peers", ("trl-vllm-1.5b", "trl-vllm-0.5b", "trl-vllm-0.5b-r2")),
-                         ("peers2", ("trl-vllm-1.5b-r2", "trl-vllm-0.5b-r3", "trl-vllm-1.5b-r3"))):
+                         ("peers2", ("trl-vllm-0.5b-r3", "trl-vllm-1.5b-r2", "trl-vllm-1.5b-r3"))):
         for name in names:
             w = name.split("-")[2]
             out.append(Phase(name, "trl-vllm", w, group, est[f"trl-vllm-{w}"]))

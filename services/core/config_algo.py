@@ -91,13 +91,14 @@ class AlgoSection(_Strict):
     # policy and nothing is weighted: neither field then acts.
     decoupled: bool = True
     behaviour_weight_cap: Annotated[float, Field(gt=1)] = 5.0
-    # Trainer speed levers (issue 16); off by default, each measured by bench/vs_trl.py.
+    # Trainer speed levers (issue 16), each measured by bench/vs_trl.py.
     logprob_chunk_tokens: Annotated[int, Field(ge=0)] = 0
     """Response tokens per pass of the LM head when the trainer and the reference compute log-probs and
     entropy: 0 builds the whole [micro-batch, tokens, vocabulary] logits at once; > 0 never does (same
     numbers; each chunk is recomputed in the backward pass)."""
-    fused_optimizer: bool = False
-    """AdamW's fused implementation (one kernel over all parameters) instead of torch's default."""
+    fused_optimizer: bool = True
+    """AdamW's fused implementation (one kernel over all parameters; the same steps as the loop over
+    tensors, and what transformers' Trainer, hence TRL, uses by default); false: torch's foreach loop."""
     compile: bool = False
     """torch.compile the decoder of the trainer's and the reference's model (the first steps compile)."""
 

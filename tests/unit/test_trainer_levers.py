@@ -1,5 +1,5 @@
 """The trainer's speed levers (issue 16) change how fast a step runs, not what it computes: a step with
-chunked log-probs, the fused AdamW or a compiled decoder moves the weights as the default step does."""
+chunked log-probs, the fused AdamW (the default) or a compiled decoder moves the weights as the default step does."""
 
 from __future__ import annotations
 
@@ -51,12 +51,12 @@ def test_chunked_logprob_steps_move_the_weights_as_whole_vocabulary_steps() -> N
     assert _train(steps=1)[0][0].ne(_model().model.embed_tokens.weight).any()  # the steps do move weights
 
 
-def test_fused_adamw_steps_equal_the_default_adamw() -> None:
-    base, _ = _train(steps=3)
-    fused, _ = _train(steps=3, fused_optimizer=True)
-    _assert_same(base, fused, tol=1e-5)
-    t = PolicyTrainer(_model(), AlgoSection(fused_optimizer=True), temperature=1.0)
-    assert t.opt.defaults["fused"] is True
+def test_the_default_fused_adamw_steps_equal_torchs_loop_adamw() -> None:
+    loop, _ = _train(steps=3, fused_optimizer=False)
+    fused, _ = _train(steps=3)
+    _assert_same(loop, fused, tol=1e-5)
+    assert PolicyTrainer(_model(), AlgoSection(), temperature=1.0).opt.defaults["fused"] is True
+    assert not PolicyTrainer(_model(), AlgoSection(fused_optimizer=False), temperature=1.0).opt.defaults["fused"]
 
 
 def test_chunked_reference_scores_equal_the_whole_vocabulary_scores() -> None:
