@@ -14,10 +14,10 @@ the loss), lr 1e-6, one epoch, one optimizer step per step, micro-batches of 16 
 Phases (each its own process, so each starts with the GPU to itself), grouped so that one group fits one
 device call of at most 10 minutes (`plan` prints the estimates, seconds measured on the H200 run of
 2026-12-02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
-repeats and vLLM alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM, both workloads, and a second
-run at 0.5B), `peers2` (TRL with vLLM's other repeats, then TRL with generate); `levers` (`lp`, the 0.5B
-fleet with vLLM's log-prob output, then `stale2`, `chunked`) and `levers2` (`compile`) get what
-is left. A run first checks, in seconds, that every service and both
+repeats, vLLM alone, trainer and reference alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM,
+both workloads, and a second run at 0.5B), `peers2` (TRL with vLLM's other repeats, then TRL with
+generate); `levers` (`lp`, the 0.5B fleet with vLLM's log-prob output, then `stale2`, `chunked`) and
+`levers2` (`compile`) get what is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
 - `trl-vllm-<w>`, `-r2`, `-r3`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the
@@ -30,6 +30,9 @@ peers import on the host, and skips a phase that would not finish before `--dead
 - `vllm-alone-<w>`: the engine the fleet's actor starts (same options, environment and sampler), driven by
   vLLM's own `LLM.generate` on one step's prompts, plain and with per-token log-probs: the generation
   floor. It runs after the fleet repeats of its shape, so it loads their compiled graphs.
+- `train-alone-<w>`: the repeats' trainer and reference scorer (built as the actor and the reference
+  service build them) on one step's batch, the GPU their own: their own speed, apart from the cost of
+  sharing the GPU with generation.
 - `trl-0.5b`: TRL with `model.generate` (the second peer row).
 - `fleet-0.5b-<lever>`: one change to `fleet-0.5b`: `lp` (vLLM's per-token log-probs and its default
   CUDA-graph sizes: the configuration of the 2026-12-01 run), `stale2` (flow.max_staleness 2),
@@ -96,7 +99,7 @@ def say(*a: Any) -> None:
 @dataclass(frozen=True)
 class Phase:
     name: str
-    kind: str  # trl | trl-vllm | fleet | vllm-alone
+    kind: str  # trl | trl-vllm | fleet | vllm-alone | train-alone
     workload: str
     group: str
     est_s: float  # expected seconds on one H200 (from the runs of issues 7 and 16), start-up included
@@ -146,13 +149,14 @@ def phases() -> list[Phase]:
     # compiled), then TRL with vLLM, whose runs vary more than rlfleet's (57.2 and 35.6 samples/s at 0.5B
     # on 2026-12-02): a first run of each shape and a second at 0.5B, then `peers2` with the rest of its
     # repeats and, last, TRL with `generate` (the second peer row, the least needed).
-    est = {"fleet-1.5b-r1": 170, "fleet-1.5b": 115, "vllm-alone-1.5b": 65,
-           "fleet-0.5b-r1": 120, "fleet-0.5b": 100, "vllm-alone-0.5b": 55,
+    est = {"fleet-1.5b-r1": 170, "fleet-1.5b": 115, "vllm-alone-1.5b": 65, "train-alone-1.5b": 60,
+           "fleet-0.5b-r1": 120, "fleet-0.5b": 100, "vllm-alone-0.5b": 55, "train-alone-0.5b": 45,
            "trl-vllm-1.5b": 170, "trl-vllm-0.5b": 105, "trl-0.5b": 90, "lever": 100}
     for w in ("1.5b", "0.5b"):
         out += [Phase(f"fleet-{w}-r{i}", "fleet", w, w, est.get(f"fleet-{w}-r{i}", est[f"fleet-{w}"]))
                 for i in (1, 2, 3)]
         out.append(Phase(f"vllm-alone-{w}", "vllm-alone", w, w, est[f"vllm-alone-{w}"]))
+        out.append(Phase(f"train-alone-{w}", "train-alone", w, w, est[f"train-alone-{w}"]))
     # TRL's runs in the order they matter: the first of each shape and a second at 0.5B, then the rest.
     for group, names in (("peers", ("trl-vllm-1.5b", "trl-vllm-0.5b", "trl-vllm-0.5b-r2")),
                          ("peers2", ("trl-vllm-0.5b-r3", "trl-vllm-1.5b-r2", "trl-vllm-1.5b-r3"))):
@@ -649,6 +653,72 @@ out.write_text(json.dumps(res))
 '''
 
 
+TRAIN_ALONE = r'''
+import json, statistics, sys, time
+import torch
+from pathlib import Path
+from services.core.config import parse_config
+from services.dist.build import build_model, build_trainer
+from services.models.loading import load_causal_lm
+from services.reference.scorer import ReferenceScorer
+from services.rl.batch import Rollout
+cfg, out, steps = parse_config(json.loads(sys.argv[1]), source="train-alone"), sys.argv[2], json.loads(sys.argv[3])
+dev = cfg.endpoint("actor").device
+sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+# The actor's trainer and the reference service's scorer, built as those services build them, on one
+# step's batch of the workload's shape (full-length responses, as min_tokens makes them), the GPU their own.
+policy = build_model(cfg, "actor", dev)
+trainer = build_trainer(cfg, "actor", policy)
+a = cfg.algo
+scorer = ReferenceScorer(load_causal_lm(Path(cfg.models.policy.path), dtype=cfg.models.policy.dtype, device=dev),
+                         cfg.generation.temperature, micro_batch=a.micro_batch_size, micro_tokens=a.micro_batch_tokens,
+                         pack=a.pack_sequences, chunk_tokens=a.logprob_chunk_tokens, compile=a.compile)
+b, p, r = steps["rows"], steps["prompt_tokens"], steps["completion_tokens"]
+vocab = int(policy.config.vocab_size)
+g = torch.Generator().manual_seed(0)
+ids = lambda n: torch.randint(4, vocab, (b, n), generator=g)  # noqa: E731
+full = lambda n: torch.ones(b, n, dtype=torch.bool)  # noqa: E731
+roll = Rollout(task_ids=[f"t{i}" for i in range(b)], prompt_ids=ids(p), prompt_mask=full(p), response_ids=ids(r),
+               response_mask=full(r), behaviour_logprobs=torch.zeros(b, r), group_ids=torch.arange(b) // a.group_size,
+               advantages=torch.randn(b, r, generator=g), versions=torch.zeros(b, dtype=torch.long), version=0)
+res = {"train_s": [], "reference_s": []}
+for i in range(steps["warmup"] + steps["steps"]):
+    sync(); t = time.perf_counter()
+    roll.ref_logprobs = scorer.score(roll)
+    sync(); ref_s = time.perf_counter() - t
+    t = time.perf_counter()
+    # One version behind, as a batch of a fleet at max_staleness 1 reaches the trainer.
+    trainer.train_step(roll, step=i, current_version=1)
+    sync(); train_s = time.perf_counter() - t
+    if i >= steps["warmup"]:
+        res["train_s"].append(train_s); res["reference_s"].append(ref_s)
+res.update(train_median_s=statistics.median(res["train_s"]), reference_median_s=statistics.median(res["reference_s"]),
+           peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.startswith("cuda") else None)
+print("train", res["train_median_s"], "reference", res["reference_median_s"], flush=True)
+open(out, "w").write(json.dumps(res))
+'''
+
+
+def phase_train_alone(p: Phase, cap: float, gpu: GpuSampler) -> dict[str, Any]:
+    """The fleet repeats' trainer and reference scorer (configuration, model, micro-batches) on a batch of
+    one step, each with the GPU to itself: how much of the fleet's `actor_train` and `reference` is their
+    own work and how much is sharing the GPU with generation."""
+    out, log = WORK / f"{p.name}.json", WORK / f"{p.name}.log"
+    (rep1,) = select(f"fleet-{p.workload}-r1")
+    cfg = fleet_config(rep1, model_dir(p.workload), 0)
+    shape = {"rows": W["prompts_per_step"] * W["group"], "prompt_tokens": W["prompt_tokens"],
+             "completion_tokens": W["completion_tokens"], "warmup": W["warmup"], "steps": W["steps"]}
+    t0 = time.time()
+    rc = run_proc([sys.executable, "-c", TRAIN_ALONE, json.dumps(cfg), str(out), json.dumps(shape)], log, cap,
+                  env=phase_env(p))
+    res: dict[str, Any] = {"rc": rc, "t0": t0, "t1": time.time(), "log_tail": tail(log)}
+    if rc == 0 and out.exists():
+        res.update(ok=True, **json.loads(out.read_text()))
+    else:
+        res["error"] = f"exit {rc}"
+    return res
+
+
 def engine_options(workload: str) -> dict[str, Any]:
     """`VLLMEngine.from_path` options of the fleet repeats' actor engine for `workload`."""
     from services.core.config import parse_config
@@ -726,6 +796,9 @@ def run_phase(p: Phase, cap: float, gpu: GpuSampler, done: dict[str, Any], index
         return {**phase_trl(p, cap, gpu), "kind_dry": "trl"}
     if p.kind == "vllm-alone":
         return phase_vllm_alone(p, cap, gpu)
+    if p.kind == "train-alone":
+        same = next((k for k, v in done.items() if k.startswith("train-alone") and v.get("ok")), None) if DRY else None
+        return {**done[same], "reused_from": same} if same else phase_train_alone(p, cap, gpu)
     if DRY:
         # What the GPU run will start must at least be a valid config: a wrong option fails here.
         from services.core.config import parse_config

@@ -138,10 +138,38 @@ def workload_summary(res: dict[str, Any], w: str) -> dict[str, Any]:
         s["floor"] = {"generate_s": gen_floor, "train_s": train_floor, "step_s": gen_floor + train_floor}
         if reps:
             s["floor_fraction"] = s["floor"]["step_s"] / s["step_s"]
+    solo = ph.get(f"train-alone-{w}", {})
+    if solo.get("ok"):
+        # The same batch shape the repeats trained, with the GPU to itself; no proximal forward (one
+        # optimizer step per batch, as in the repeats).
+        t = {"train_s": solo["train_median_s"], "reference_s": solo["reference_median_s"],
+             "mfu": train_flops(shape, seqs, W["prompt_tokens"] + W["completion_tokens"])
+             / (solo["train_median_s"] * PEAK_FLOPS)}
+        if plain:
+            t["serial_step_s"] = seqs * W["completion_tokens"] / plain + t["train_s"] + t["reference_s"]
+        s["alone"] = t
     if peer.get("ok") and reps:
         s["ratio"] = s["samples_per_s"] / peer["samples_per_s"]
         s["ratio_median"] = s["samples_per_s"] / s["peer_median"]
     return s
+
+
+def _alone_line(s: dict[str, Any], solo: dict[str, Any]) -> str:
+    """The trainer and the reference scorer with the GPU to themselves, against their stages inside the
+    fleet, and the three stages alone end to end against the fleet's step: what sharing costs or saves."""
+    a = s.get("alone")
+    if not a:
+        return f"- Trainer and reference alone: not measured ({_why(solo)})."
+    st = s.get("stages", {})
+    inside = (f"; inside the fleet {_f(st.get('actor_train'), 2)} s and {_f(st.get('reference'), 2)} s"
+              if st.get("actor_train") else "")
+    line = (f"- Trainer and reference alone (one step's batch, the GPU their own): train {a['train_s']:.2f} s "
+            f"(MFU {a['mfu'] * 100:.1f}%), reference {a['reference_s']:.2f} s{inside}")
+    if a.get("serial_step_s") and s.get("step_s"):
+        line += (f". Generation at vLLM-alone speed, reference and training one after the other: "
+                 f"{a['serial_step_s']:.2f} s a step; rlfleet's step {s['step_s']:.2f} s "
+                 f"({s['step_s'] / a['serial_step_s']:.0%} of it)")
+    return line + "."
 
 
 def _median(xs: list[Any]) -> float | None:
@@ -388,6 +416,7 @@ def render(res: dict[str, Any]) -> str:
             lines.append(f"- Generation inside rlfleet (its generate stage): {_f(gen, 0)} tok/s, "
                          + ", ".join(f"{gen / x['tokens_per_s']:.0%} of"
                                      f" vLLM alone {k}" for k, x in va.items()) + ".")
+        lines.append(_alone_line(s, ph.get(f"train-alone-{w}", {})))
         start = _startup(s["repeats"])
         if start:
             lines.append(f"- Start-up of the first repeat (seconds from launch; first log line → ready): {start}.")

@@ -64,6 +64,20 @@ def test_summary_takes_the_median_of_the_repeats_and_derives_mfu_and_the_floor()
     assert s["floor_fraction"] == pytest.approx(floor / (256 / 84.0))
 
 
+def test_the_trainer_alone_gives_its_own_mfu_and_the_three_stages_end_to_end_against_the_fleets_step() -> None:
+    res = _result([80.0, 88.0, 84.0], [40.0, 41.0, 42.0])
+    res["phases"]["train-alone-0.5b"] = {"ok": True, "train_median_s": 1.2, "reference_median_s": 0.3}
+    s = rep.workload_summary(res, "0.5b")
+    assert s["alone"]["mfu"] == pytest.approx(rep.train_flops(QWEN05, 256, 320) / (1.2 * 989e12))
+    serial = 256 * 256 / 50_000 + 1.2 + 0.3
+    assert s["alone"]["serial_step_s"] == pytest.approx(serial)
+    line = rep._alone_line(s, res["phases"]["train-alone-0.5b"])
+    assert "train 1.20 s" in line and "reference 0.30 s" in line and f"{serial:.2f} s a step" in line
+    assert f"({256 / 84.0 / serial:.0%} of it)" in line
+    # Not run: the line says so, in the words of what stopped it.
+    assert rep._alone_line(rep.workload_summary(res, "1.5b"), {}) == "- Trainer and reference alone: not measured (not run)."
+
+
 def test_targets_say_met_or_missed_and_what_holds_a_miss_back() -> None:
     lines = rep.targets(_result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0]))
     by = {line.split(":")[0] + ":" + line.split(":")[1]: line for line in lines}
@@ -248,6 +262,9 @@ def test_dry_run_exercises_every_phase_and_renders_the_report(tmp_path: Path) ->
         if p.kind == "vllm-alone":
             assert got["error"] == "vllm is not installed"
             continue
+        if p.kind == "train-alone":
+            assert got.get("ok") and len(got["train_s"]) == res["workload"]["steps"] and got["reference_median_s"] > 0
+            continue
         assert got.get("ok"), (p.name, got.get("error"), got.get("log_tail"))
         assert got["samples_per_s"] > 0 and got["steps_measured"] >= 2 and got["first_step_s"] > 0
         if p.kind == "fleet":
@@ -293,6 +310,7 @@ def test_dry_run_exercises_every_phase_and_renders_the_report(tmp_path: Path) ->
     assert "| TRL GRPOTrainer, vLLM colocated" in md and "Dry run on a CPU" in md
     assert "rlfleet's repeats ran with `generation.engine: transformers` in its own process," in md
     assert md.count("**rlfleet, median of 3**") == 2 and "### Levers" in md
+    assert md.count("- Trainer and reference alone (one step's batch, the GPU their own): train ") == 2
     assert "0.5b: rlfleet GRPO over TRL with vLLM, samples/s" in md
 
 
