@@ -831,6 +831,24 @@ def host_snapshot() -> dict[str, Any]:
     return snap
 
 
+def cpu_topology() -> dict[str, Any]:
+    """Which CPUs the phases may run on, the host's NUMA nodes and the CPUs local to each NVIDIA GPU.
+    TRL with vLLM, one process launching small kernels, varied by a third from run to run on a quiet
+    host on 2026-12-02 (16:42 run); a process scheduled away from the GPU's node is one suspect."""
+    def cpulist(path: Path) -> str | None:
+        try:
+            return path.read_text().strip()
+        except OSError:
+            return None
+
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    gpus = [d for d in Path("/sys/bus/pci/devices").glob("*")
+            if cpulist(d / "vendor") == "0x10de" and (cpulist(d / "class") or "").startswith("0x03")]
+    return {"cpus_allowed": len(os.sched_getaffinity(0)),
+            "numa_nodes": {n.name: cpulist(n / "cpulist") for n in nodes},
+            "gpu_local_cpus": {d.name: cpulist(d / "local_cpulist") for d in sorted(gpus)}}
+
+
 SERVICE_MODULES = tuple(f"services.{n}.server" for n in PORTS)
 IMPORT_CHECK = r'''
 import importlib, sys
@@ -866,7 +884,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     gpu.start()
     result: dict[str, Any] = {"command": " ".join(["python -m bench.vs_trl", *sys.argv[1:]]), "dry": DRY,
                               "gpu": gpu.name or "none", "versions": versions(), "workload": W,
-                              "shapes": SHAPES,
+                              "shapes": SHAPES, "cpu_topology": cpu_topology(),
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "phases": {},
                               "plan": {p.name: {"group": p.group, "est_s": p.est_s} for p in chosen}}
     for w in dict.fromkeys(p.workload for p in chosen):

@@ -172,6 +172,15 @@ def _alone_line(s: dict[str, Any], solo: dict[str, Any]) -> str:
     return line + "."
 
 
+def _topology(t: dict[str, Any] | None) -> str:
+    if not t:
+        return ""
+    nodes = ", ".join(f"{k} {v}" for k, v in t.get("numa_nodes", {}).items())
+    local = ", ".join(str(v) for v in t.get("gpu_local_cpus", {}).values())
+    return (f"; {t.get('cpus_allowed')} CPUs allowed, NUMA {nodes or '—'}"
+            + (f", the GPU's local CPUs {local}" if local else ""))
+
+
 def _median(xs: list[Any]) -> float | None:
     vals = [float(x) for x in xs if x is not None]
     return statistics.median(vals) if vals else None
@@ -365,6 +374,7 @@ def render(res: dict[str, Any]) -> str:
     files = ", ".join(f"`bench/results/{f}`" for f in res.get("files", []))
     lines = [MARK_BEGIN, "## rlfleet vs TRL on one GPU (issues 7, 16)\n", "```\n" + cmds + "\n```\n",
              f"GPU: {res['gpu']}; " + ", ".join(f"{k} {v}" for k, v in res["versions"].items())
+             + _topology(res.get("cpu_topology"))
              + f". Raw numbers: {files}; utilization plots `bench/results/util-*.png`."
              + (" **Dry run on a CPU: the numbers mean nothing.**" if res.get("dry") else "") + "\n",
              f"Workload: Qwen2-shaped models, random weights, bf16, vocabulary {res['shapes']['0.5b']['vocab_size']:,};"

@@ -361,3 +361,13 @@ def test_the_start_up_timeline_reads_each_services_json_log(tmp_path: Path) -> N
     assert ("controller 5 → 5 (an RPC to a peer failed until 95), reward 6 → 8, actor 10 → 71"
             " (engine process 58 s), launcher 2 → 72 (services started at 4)") in md
 
+
+
+def test_the_report_names_the_cpus_the_run_had_and_the_gpus_numa_node() -> None:
+    res = _result([80.0, 88.0, 84.0], [40.0, 41.0, 42.0])
+    res["cpu_topology"] = {"cpus_allowed": 16, "numa_nodes": {"node0": "0-63", "node1": "64-127"},
+                           "gpu_local_cpus": {"0000:1b:00.0": "0-63"}}
+    md = rep.render(res)
+    assert "; 16 CPUs allowed, NUMA node0 0-63, node1 64-127, the GPU's local CPUs 0-63." in md
+    del res["cpu_topology"]  # results written before the field existed still render
+    assert "CPUs allowed" not in rep.render(res)
