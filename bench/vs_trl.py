@@ -15,8 +15,8 @@ Phases (each its own process, so each starts with the GPU to itself), grouped so
 device call of at most 10 minutes (`plan` prints the estimates, seconds measured on the H200 run of
 2026-12-02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
 repeats, vLLM alone, trainer and reference alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM,
-both workloads, and a second run at 0.5B), `peers2` (TRL with vLLM's other repeats, then TRL with
-generate); `levers` (`lp`, the 0.5B fleet with vLLM's log-prob output, then `stale2`, `chunked`) and
+both workloads, and a second run at 0.5B), `peers2` (TRL with vLLM's other repeats, TRL with generate,
+then the `stale2` lever); `levers` (`lp`, the 0.5B fleet with vLLM's log-prob output, then `chunked`) and
 `levers2` (`compile`) get what is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
@@ -138,34 +138,40 @@ DRY_LEVERS = {"logprob_chunk_tokens": 2}
 
 def phases() -> list[Phase]:
     out: list[Phase] = []
-    # Seconds each phase took on the H200 run of 2026-12-02 13:09 (bench/results/vs_trl-20261202T13*.json),
-    # launch to exit, plus ~10%: a fleet repeat 84-107 s at 0.5B and 86-157 s at 1.5B (the first launch
-    # of a shape compiles vLLM), vLLM alone 49-60 s (it loads the repeats' graphs), TRL with vLLM 80-97 s
-    # at 0.5B and 153 s at 1.5B, TRL with `generate` 81 s, a lever ~93 s when it loads the repeats'
-    # graphs (`lp` changes the CUDA-graph sizes and compiles; `compile` adds torch.compile).
-    # A fleet phase ends once its last measured step is in.
+    # Seconds each phase took on the H200 runs of 2026-12-02 (13:09 and 16:42, bench/results/), launch to
+    # exit, plus ~10%: a fleet repeat 72-107 s at 0.5B and 70-157 s at 1.5B (the first launch of a shape
+    # compiles vLLM: 80 s and 130 s since the engine starts early), vLLM alone 49-60 s (it loads the
+    # repeats' graphs), TRL with vLLM 71-98 s at 0.5B, 157 s at 1.5B when it compiles and 80 s when it
+    # loads, TRL with `generate` 67-81 s, a lever ~93 s when it loads the repeats' graphs (`lp` changes
+    # the CUDA-graph sizes and compiles; `compile` adds torch.compile). A fleet phase ends once its last
+    # measured step is in.
     # Groups hold at most ~9.5 min, one device call each, in the order one 30-minute session runs them:
-    # the 1.5B repeats and the 0.5B repeats, each with vLLM alone after them (it loads the graphs they
-    # compiled), then TRL with vLLM, whose runs vary more than rlfleet's (57.2 and 35.6 samples/s at 0.5B
-    # on 2026-12-02): a first run of each shape and a second at 0.5B, then `peers2` with the rest of its
-    # repeats and, last, TRL with `generate` (the second peer row, the least needed).
+    # the 1.5B repeats and the 0.5B repeats, each with vLLM, the trainer and the reference alone after
+    # them (vLLM loads the graphs they compiled), then TRL with vLLM, whose runs vary by a third (38.8 to
+    # 54.2 samples/s at 0.5B at 16:42): a first run of each shape and a second at 0.5B, then `peers2` with
+    # the rest of its repeats, TRL with `generate` (the second peer row) and `stale2`, the lever of the
+    # pacing stage at 0.5B (generation: one more step ahead of training), which the four calls of the
+    # 16:42 run left time for.
     est = {"fleet-1.5b-r1": 170, "fleet-1.5b": 115, "vllm-alone-1.5b": 65, "train-alone-1.5b": 60,
            "fleet-0.5b-r1": 120, "fleet-0.5b": 100, "vllm-alone-0.5b": 55, "train-alone-0.5b": 45,
-           "trl-vllm-1.5b": 170, "trl-vllm-0.5b": 105, "trl-0.5b": 90, "lever": 100}
+           "trl-vllm-1.5b": 170, "trl-vllm-1.5b-warm": 100, "trl-vllm-0.5b": 105, "trl-vllm-0.5b-warm": 90,
+           "trl-0.5b": 90, "lever": 100}
     for w in ("1.5b", "0.5b"):
         out += [Phase(f"fleet-{w}-r{i}", "fleet", w, w, est.get(f"fleet-{w}-r{i}", est[f"fleet-{w}"]))
                 for i in (1, 2, 3)]
         out.append(Phase(f"vllm-alone-{w}", "vllm-alone", w, w, est[f"vllm-alone-{w}"]))
         out.append(Phase(f"train-alone-{w}", "train-alone", w, w, est[f"train-alone-{w}"]))
     # TRL's runs in the order they matter: the first of each shape and a second at 0.5B, then the rest.
+    # Its first run of a shape compiles vLLM's graphs into TRL's own cache, the later ones load them.
     for group, names in (("peers", ("trl-vllm-1.5b", "trl-vllm-0.5b", "trl-vllm-0.5b-r2")),
                          ("peers2", ("trl-vllm-0.5b-r3", "trl-vllm-1.5b-r2", "trl-vllm-1.5b-r3"))):
         for name in names:
             w = name.split("-")[2]
-            out.append(Phase(name, "trl-vllm", w, group, est[f"trl-vllm-{w}"]))
+            out.append(Phase(name, "trl-vllm", w, group, est[f"trl-vllm-{w}" + ("-warm" if "-r" in name else "")]))
     out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
+    lever_group = {"stale2": "peers2", "compile": "levers2"}
     for lever, (algo_opts, vllm_opts, gen_opts, flow_opts) in LEVERS.items():
-        out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", "levers2" if lever == "compile" else "levers",
+        out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", lever_group.get(lever, "levers"),
                          est["lever"] + {"lp": 45, "compile": 75}.get(lever, 0), algo_opts=algo_opts,
                          vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, lever=lever))
     out += [Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 200, algo="ppo"),
