@@ -7,11 +7,11 @@ the run of 2026-12-02 13:08). Spawned here, the engine's imports overlap the act
 
 How: `start_early` runs in the actor's process before anything imports torch (`services.core.entry`
 calls it once the config is valid) and spawns the same child `ProcessEngine` would, with the options
-`make_engine` would pass it, by way of a trampoline, so this module stays free of torch. `make_engine`
-`take`s that child when it asks for the same engine and waits for its `ready` as it would for its own;
-a request for anything else stops it and starts a new one. Only a single engine process that gets its
-weights by CUDA IPC (or on the CPU) starts early: replicas, tensor parallelism and collective weight
-transfers keep their own start, which needs torch in this process.
+`make_engine` would pass it, by way of `engine_child.main`, so this module stays free of torch.
+`make_engine` `take`s that child when it asks for the same engine and waits for its `ready` as it would
+for its own; a request for anything else stops it and starts a new one. Only a single engine process
+that gets its weights by CUDA IPC (or on the CPU) starts early: replicas, tensor parallelism and
+collective weight transfers keep their own start, which needs torch in this process.
 
 The actor waits for the engine before it loads the trainer's model (`services.actor.server`), so vLLM's
 memory profiling does not count the trainer's first allocations as its own.
@@ -31,6 +31,7 @@ from typing import Any
 from services.core.config import RunConfig
 from services.core.entry import torch_threads
 from services.core.logs import current_service
+from services.models import engine_child
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +75,6 @@ def child_options(cfg: RunConfig) -> dict[str, Any] | None:
             **{k: v for k, v in kw.items() if k not in _FACTORY_ARGS}}
 
 
-def _run(*args: Any) -> None:
-    from services.models.engine_proc import _child  # torch and the engine: in the child only
-
-    _child(*args)
-
-
 def start_early(cfg: RunConfig) -> None:
     """Spawn the actor's engine process now, where its configuration allows (`child_options`)."""
     global _started
@@ -93,7 +88,7 @@ def start_early(cfg: RunConfig) -> None:
     ctrl, child_ctrl = ctx.Pipe()
     svc = current_service()
     log_to = (f"{svc}.engine", logging.getLogger().getEffectiveLevel()) if svc else None
-    proc = ctx.Process(target=_run, name=f"engine-{name}", daemon=True,
+    proc = ctx.Process(target=engine_child.main, name=f"engine-{name}", daemon=True,
                        args=(child_conn, child_ctrl, name, path, kw, torch_threads(), None, None, log_to))
     t0 = time.monotonic()
     proc.start()

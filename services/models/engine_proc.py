@@ -9,6 +9,8 @@ run"). A child process has its own interpreter, so generation and the update ove
 How:
 - The child is started with the `spawn` method (CUDA cannot be forked) and builds the real engine
   with `backends.build_engine`; the parent waits for its `ready` message, or raises with the child's exit code.
+  The child begins in `engine_child.main`, which watches the parent before anything heavy is imported:
+  a child whose actor died (kill -9, the OOM killer) exits at once, even while it is still starting.
 - Requests (`generate`, `score`, `update_weights`, `describe`, `close`) go over one pipe, one at a
   time; `abort` goes over a second pipe that a control thread in the child serves while the main
   thread is busy generating, so an abort reaches a call in flight.
@@ -39,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.multiprocessing as mp
 
-from services.core.logs import current_service, setup_logging
+from services.core.logs import current_service
+from services.models import engine_child
 from services.models.backends import build_engine
 from services.models.engine import (
     Completion,
@@ -55,7 +58,7 @@ from services.models.gate import CallGate
 from services.models.weight_transfer import Bucket, Link, Receiver, Sender, backend_for
 
 if TYPE_CHECKING:
-    from services.models.engine_boot import StartedEngine  # which spawns this module's _child
+    from services.models.engine_boot import StartedEngine
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +72,8 @@ class EngineDied(EngineError):
 
 
 def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str, Any], threads: int,
-           visible_devices: str | None = None, link: Link | None = None, log_to: tuple[str, int] | None = None) -> None:
-    if log_to is not None:
-        # A spawned child starts with logging unconfigured: without this its records (start-up time,
-        # weight loads, the reason it gives up) would be dropped instead of landing in the service's log.
-        setup_logging(log_to[0], level=log_to[1])
+           visible_devices: str | None = None, link: Link | None = None) -> None:
+    """The engine process, once `engine_child.main` has set up its logging and the watch of its parent."""
     if visible_devices is not None:
         # Before anything touches CUDA: this engine (a replica) sees only its own GPUs.
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
@@ -117,6 +117,8 @@ def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[st
         try:
             op, args = conn.recv()
         except (EOFError, OSError):
+            if engine_child.parent_gone(wait_s=2 * engine_child.POLL_S):
+                engine_child.exit_orphaned()  # as the watch would a moment later: one way to die with the actor
             break
         if op == "close":
             conn.send(("ok", None))
@@ -212,7 +214,7 @@ class ProcessEngine:
             ctx = mp.get_context("spawn")
             self._conn, child_conn = ctx.Pipe()
             self._ctrl, child_ctrl = ctx.Pipe()
-            self._proc = ctx.Process(target=_child, name=f"engine-{name}{label}", daemon=True,
+            self._proc = ctx.Process(target=engine_child.main, name=f"engine-{name}{label}", daemon=True,
                                      args=(child_conn, child_ctrl, name, str(model_path), kw,
                                            threads or torch.get_num_threads(), visible_devices,
                                            self._sender.link if self._sender else None,

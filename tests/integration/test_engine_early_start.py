@@ -1,15 +1,24 @@
 """The actor's engine process starts before the actor imports torch (`services.models.engine_boot`):
 on an H200 the engine's imports and the actor's ran one after the other, ~30 s of the time to first
 step. Real processes: a fresh interpreter spawns the real transformers engine in a child, then builds
-the engine the way the actor does and must be handed that very child."""
+the engine the way the actor does and must be handed that very child. That child also dies with the
+actor that spawned it, even one killed while its engine still starts (`services.models.engine_child`)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import queue
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import yaml
@@ -48,13 +57,18 @@ eng.close()
 """
 
 
-def _run(tmp_path: Path, model: Path, *extra: str, **generation: Any) -> dict[str, Any]:
+def _config(tmp_path: Path, model: Path, **generation: Any) -> Path:
     data = yaml.safe_load(EXAMPLE.read_text())
     data["run"]["dir"] = str(tmp_path / "run")
     data["models"]["policy"]["path"] = str(model)
     data["generation"].update(generation)
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump(data))
+    return cfg
+
+
+def _run(tmp_path: Path, model: Path, *extra: str, **generation: Any) -> dict[str, Any]:
+    cfg = _config(tmp_path, model, **generation)
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(cfg), *extra], cwd=REPO, capture_output=True,
                           text=True, timeout=200, env={"RLFLEET_TORCH_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -92,3 +106,144 @@ def test_the_early_child_gets_every_engine_option_make_engine_would_pass_it() ->
     own = set(inspect.signature(make_engine).parameters) - {"name", "model_path", "dtype", "device", "micro_batch",
                                                              "options"}
     assert own == set(_FACTORY_ARGS)
+
+
+# The actor up to where it has its engine: the child spawned early, then (with "ready") adopted by
+# make_engine and waiting for a request. It prints the child's pid, then whether it is ready.
+ACTOR = """
+import json, sys, time
+from pathlib import Path
+from services.core.config import load_config
+from services.core.logs import setup_logging
+from services.models import engine_boot
+setup_logging("actor")
+cfg = load_config(sys.argv[1])
+engine_boot.start_early(cfg)
+print(json.dumps({"engine_pid": engine_boot._started.proc.pid}), flush=True)
+if sys.argv[2] == "ready":
+    from services.models.factory import make_engine
+    eng = make_engine(cfg.generation.engine, Path(cfg.models.policy.path),
+                      dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
+                      **cfg.generation.engine_kwargs(cfg.run_dir))
+    print(json.dumps({"ready": eng.describe()["process"]}), flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    # Whoever inherits the orphan may not reap it at once: a zombie has exited all the same.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] == "Z"
+
+
+def _lines(stream: IO[str]) -> queue.Queue[str]:
+    out: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [out.put(line) for line in stream], daemon=True).start()
+    return out
+
+
+def _reader_opened(fifo: Path) -> int | None:
+    """A write end of `fifo` once some process has opened it to read (ENXIO until then)."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as err:
+        if err.errno != errno.ENXIO:
+            raise
+        return None
+
+
+@pytest.mark.parametrize("when", ["starting", "ready"])
+def test_an_engine_process_exits_when_its_actor_is_killed(tmp_path: Path, random_model: Path, when: str) -> None:
+    """kill -9 (or the OOM killer) of the actor leaves no engine process behind to hold its share of
+    the GPU next to the restarted actor's engine: neither one still loading its model (it reads no
+    pipe for tens of seconds with vLLM) nor one waiting for a request."""
+    model = tmp_path / "model"
+    shutil.copytree(random_model, model)
+    fifo = model / "tokenizer_config.json"
+    if when == "starting":
+        # The engine's start blocks on this file (the first it reads of the model) for as long as the
+        # test holds it open: the actor dies while its engine is, for sure, loading the model.
+        fifo.unlink()
+        os.mkfifo(fifo)
+    log = (tmp_path / "actor.log").open("w")
+    actor = subprocess.Popen([sys.executable, "-c", ACTOR, str(_config(tmp_path, model, process=True)), when],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
+                             env={"RLFLEET_TORCH_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert actor.stdout is not None
+    lines = _lines(actor.stdout)
+    pid, held = 0, None
+    try:
+        pid = int(json.loads(lines.get(timeout=60))["engine_pid"])
+        deadline = time.monotonic() + 150
+        if when == "starting":
+            while (held := _reader_opened(fifo)) is None:
+                assert not _gone(pid) and time.monotonic() < deadline, "the engine never began to load the model"
+                time.sleep(0.1)
+        else:
+            assert json.loads(lines.get(timeout=150))["ready"] == pid
+        actor.kill()
+        actor.wait(10)
+        t0 = time.monotonic()
+        while not _gone(pid) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert _gone(pid), "the engine process outlived its actor by 10 s"
+        rows = [json.loads(line) for line in (tmp_path / "actor.log").read_text().splitlines()
+                if line.startswith("{")]
+        last = [r for r in rows if r["service"] == "actor.engine"][-1]
+        assert last["msg"].startswith("engine process exits") and last["parent"] == actor.pid, rows[-3:]
+    finally:
+        actor.kill()
+        actor.wait(10)
+        if pid and not _gone(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if held is not None:
+            os.close(held)
+        log.close()
+
+
+# An engine process that started processes of its own, as vLLM starts its EngineCore.
+ENGINE_WITH_CHILDREN = """
+import json, multiprocessing, subprocess, sys, time
+from services.models import engine_child
+
+def engine(out):
+    engine_child.watch_parent()
+    kid = subprocess.Popen(["sh", "-c", "sleep 120 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+    out.send([multiprocessing.current_process().pid, kid.pid, int(kid.stdout.readline())])
+    time.sleep(120)
+
+if __name__ == "__main__":
+    mine, theirs = multiprocessing.get_context("spawn").Pipe()
+    multiprocessing.get_context("spawn").Process(target=engine, args=(theirs,), daemon=True).start()
+    print(json.dumps(mine.recv()), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_an_orphaned_engine_process_takes_the_processes_it_started_with_it(tmp_path: Path) -> None:
+    script = tmp_path / "actor.py"
+    script.write_text(ENGINE_WITH_CHILDREN)
+    actor = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert actor.stdout is not None
+    lines = _lines(actor.stdout)
+    pids: list[int] = []
+    try:
+        pids = json.loads(lines.get(timeout=60))
+        assert not any(_gone(p) for p in pids)
+        actor.kill()
+        actor.wait(10)
+        t0 = time.monotonic()
+        while not all(_gone(p) for p in pids) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert [p for p in pids if not _gone(p)] == [], "the engine or what it started outlived the actor by 10 s"
+    finally:
+        actor.kill()
+        actor.wait(10)
+        for p in pids:
+            if not _gone(p):
+                with contextlib.suppress(OSError):
+                    os.kill(p, signal.SIGKILL)
