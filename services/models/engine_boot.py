@@ -32,6 +32,7 @@ from services.core.config import RunConfig
 from services.core.entry import torch_threads
 from services.core.logs import current_service
 from services.models import engine_child
+from services.models.transfer_route import route
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def child_options(cfg: RunConfig) -> dict[str, Any] | None:
     g = cfg.generation
     if cfg.models.policy.path is None or not g.process or g.replicas > 1 or g.tensor_parallel_size > 1:
         return None
-    if g.weight_transfer not in ("auto", "ipc"):  # auto is ipc for an engine on the trainer's device
+    if route(g.weight_transfer, shares_trainer_device=True) != "ipc":  # one engine process: the actor's device
         return None
     kw = g.engine_kwargs(cfg.run_dir)
     return {"dtype": g.engine_dtype(cfg.models.policy.dtype),

@@ -8,7 +8,8 @@ from typing import Any
 
 from services.models.backends import ENGINE_NAMES, available_engines, build_engine, check_engine_name
 from services.models.engine import EngineError, EngineUnavailable, GenerationEngine
-from services.models.weight_transfer import TRANSFERS, resolve
+from services.models.transfer_route import TRANSFERS
+from services.models.weight_transfer import resolve
 
 __all__ = ["ENGINE_NAMES", "available_engines", "make_engine", "visible_gpus"]
 

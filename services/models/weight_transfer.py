@@ -37,10 +37,10 @@ import torch.distributed as dist
 
 from services.core.ports import c10d_store
 from services.models.engine import WeightSyncError
+from services.models.transfer_route import TRANSFERS, route
 
 log = logging.getLogger(__name__)
 
-TRANSFERS: tuple[str, ...] = ("auto", "ipc", "collective")
 _PREFIX = "rlfleet-weights"
 
 
@@ -74,12 +74,11 @@ class Bucket:
 
 
 def resolve(transfer: str, *, shares_trainer_device: bool) -> Literal["ipc", "collective"]:
-    """`auto` is ipc where the engine sees the trainer's device (or both are on the CPU), else collective."""
-    if transfer == "auto":
-        return "ipc" if shares_trainer_device else "collective"
-    if transfer in ("ipc", "collective"):
-        return "ipc" if transfer == "ipc" else "collective"
-    raise WeightSyncError(f"unknown weight transfer {transfer!r}: use one of {', '.join(TRANSFERS)}")
+    """`transfer_route.route`, refusing a name that is not a transfer."""
+    how = route(transfer, shares_trainer_device=shares_trainer_device)
+    if how is None:
+        raise WeightSyncError(f"unknown weight transfer {transfer!r}: use one of {', '.join(TRANSFERS)}")
+    return how
 
 
 def backend_for(device: str, backend: str = "auto") -> Literal["gloo", "nccl"]:

@@ -94,6 +94,18 @@ def test_a_child_started_for_another_engine_is_stopped_and_a_new_one_started(
     assert out["early_alive"] is False and out["tokens"] == 3
 
 
+@pytest.mark.parametrize(("transfer", "early"), [("auto", True), ("ipc", True), ("collective", False)])
+def test_only_an_engine_that_takes_its_weights_by_ipc_starts_early(
+        tmp_path: Path, random_model: Path, transfer: str, early: bool) -> None:
+    # The same rule make_engine applies (transfer_route.route): a collective transfer needs torch in the
+    # actor before its engine starts.
+    from services.core.config import load_config
+    from services.models.engine_boot import child_options
+
+    cfg = load_config(_config(tmp_path, random_model, process=True, weight_transfer=transfer))
+    assert (child_options(cfg) is not None) is early
+
+
 def test_the_early_child_gets_every_engine_option_make_engine_would_pass_it() -> None:
     # engine_boot cannot import the factory (torch); it names make_engine's own arguments instead, and an
     # argument added to make_engine but not there would reach the child as an engine option: the early
