@@ -41,16 +41,19 @@ _exiting = threading.Lock()  # the watch and the pipe's reader may both see the 
 
 def main(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str, Any], threads: int,
          visible_devices: str | None = None, link: Link | None = None, log_to: tuple[str, int] | None = None) -> None:
-    """The engine process: `engine_proc._child` with `log_to` (service name, level) as its logging, under
+    """The engine process: `engine_serve.serve` with `log_to` (service name, level) as its logging, under
     a watch of its parent."""
     if log_to is not None:
         # A spawned child starts with logging unconfigured: without this its records (start-up time,
         # weight loads, the reason it gives up, the watch's last word) would not reach the service's log.
         setup_logging(log_to[0], level=log_to[1])
     watch_parent()
-    from services.models.engine_proc import _child  # torch and the engine: seconds of imports, watched
+    from services.models.engine_serve import serve  # torch and the engine: seconds of imports, watched
 
-    _child(conn, ctrl, name, path, kw, threads, visible_devices, link)
+    # Its pipe closed without a `close`: a dead parent's pipes close just before the kernel hands this
+    # process to another, so this exit, not the watch's a moment later, is the one that logs.
+    if serve(conn, ctrl, name, path, kw, threads, visible_devices, link) and parent_gone(wait_s=2 * POLL_S):
+        exit_orphaned()
 
 
 def watch_parent(poll_s: float = POLL_S) -> None:

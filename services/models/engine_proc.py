@@ -9,8 +9,9 @@ run"). A child process has its own interpreter, so generation and the update ove
 How:
 - The child is started with the `spawn` method (CUDA cannot be forked) and builds the real engine
   with `backends.build_engine`; the parent waits for its `ready` message, or raises with the child's exit code.
-  The child begins in `engine_child.main`, which watches the parent before anything heavy is imported:
-  a child whose actor died (kill -9, the OOM killer) exits at once, even while it is still starting.
+  The child begins in `engine_child.main`, which watches the parent before anything heavy is imported
+  (a child whose actor died, kill -9 or the OOM killer, exits at once, even while it is still
+  starting), then runs `engine_serve.serve`, the child's side of the pipes.
 - Requests (`generate`, `score`, `update_weights`, `describe`, `close`) go over one pipe, one at a
   time; `abort` goes over a second pipe that a control thread in the child serves while the main
   thread is busy generating, so an abort reaches a call in flight.
@@ -30,11 +31,9 @@ network boundary here.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,19 +42,15 @@ import torch.multiprocessing as mp
 
 from services.core.logs import current_service
 from services.models import engine_child
-from services.models.backends import build_engine
 from services.models.engine import (
     Completion,
     EngineError,
     EngineUnavailable,
-    GenerationEngine,
     SamplingParams,
-    StreamingWeights,
-    WeightsTorn,
     WeightSyncError,
 )
 from services.models.gate import CallGate
-from services.models.weight_transfer import Bucket, Link, Receiver, Sender, backend_for
+from services.models.weight_transfer import Sender, backend_for
 
 if TYPE_CHECKING:
     from services.models.engine_boot import StartedEngine
@@ -69,117 +64,6 @@ _ERRORS: dict[str, type[Exception]] = {c.__name__: c for c in (
 
 class EngineDied(EngineError):
     """The engine's child process exited; the engine cannot serve any more calls."""
-
-
-def _child(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str, Any], threads: int,
-           visible_devices: str | None = None, link: Link | None = None) -> None:
-    """The engine process, once `engine_child.main` has set up its logging and the watch of its parent."""
-    if visible_devices is not None:
-        # Before anything touches CUDA: this engine (a replica) sees only its own GPUs.
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-    torch.set_num_threads(threads)
-    try:
-        engine = build_engine(name, Path(path), **kw)
-        receiver = Receiver(link) if link is not None else None
-    except Exception as err:
-        conn.send(("error", type(err).__name__, str(err)))
-        return
-
-    # Abort covers every call the parent had started before it aborted (epoch < aborted), including
-    # one this process has received but not yet handed to the engine: such a call returns at once, and
-    # one that enters the engine just as the abort arrives is aborted again once it is in.
-    state = threading.Lock()
-    aborted, running = 0, None
-
-    def control() -> None:
-        nonlocal aborted
-        while True:
-            try:
-                op, epoch = ctrl.recv()
-            except (EOFError, OSError):
-                return
-            if op == "abort":
-                with state:
-                    aborted = max(aborted, epoch)
-                    active = running is not None
-                if active:
-                    engine.abort()
-                    while running is not None and engine.in_flight == 0:
-                        time.sleep(0.001)
-                    if running is not None:
-                        engine.abort()
-            ctrl.send("ok")
-
-    threading.Thread(target=control, daemon=True, name="engine-control").start()
-    conn.send(("ready", {"version": engine.version, "eos": tuple(engine.eos_token_ids),
-                         "describe": _describe(engine)}))
-    while True:
-        try:
-            op, args = conn.recv()
-        except (EOFError, OSError):
-            if engine_child.parent_gone(wait_s=2 * engine_child.POLL_S):
-                engine_child.exit_orphaned()  # as the watch would a moment later: one way to die with the actor
-            break
-        if op == "close":
-            conn.send(("ok", None))
-            break
-        try:
-            if op == "generate":
-                prompts, params, epoch = args
-                with state:
-                    late = epoch < aborted
-                    running = None if late else epoch
-                try:
-                    out: Any = ([Completion([], [], "abort") for _ in prompts] if late
-                                else engine.generate(prompts, params))
-                finally:
-                    with state:
-                        running = None
-            elif op == "score":
-                out = engine.score(*args)  # type: ignore[attr-defined]
-            elif op == "receive_weights":
-                if receiver is None:
-                    raise EngineError("this engine process was started without a weight-transfer link")
-                _receive_weights(engine, receiver, *args)
-                out = engine.version
-            elif op == "update_weights":
-                named, version = args
-                engine.update_weights(named, version)
-                if torch.cuda.is_initialized():
-                    # Copies out of the parent's tensors may still be queued: the parent trains on
-                    # those tensors again as soon as this call returns.
-                    torch.cuda.synchronize()
-                del named, args  # release shared tensors (CUDA IPC) before the parent reuses them
-                out = engine.version
-            elif op == "describe":
-                out = _describe(engine)
-            else:
-                raise EngineError(f"unknown engine request {op!r}")
-            conn.send(("ok", out))
-        except WeightsTorn as err:
-            # Two versions in one model: this engine must not serve again.
-            conn.send(("fatal", type(err).__name__, str(err)))
-            break
-        except Exception as err:
-            conn.send(("error", type(err).__name__, str(err)))
-    engine.close()
-
-
-def _receive_weights(engine: GenerationEngine, receiver: Receiver, buckets: list[Bucket], version: int) -> None:
-    stream = receiver.stream(buckets)
-    try:
-        if isinstance(engine, StreamingWeights):
-            shapes = {n: s for b in buckets for n, s in zip(b.names, b.shapes, strict=True)}
-            engine.update_weights_stream(shapes, stream, version)
-        else:
-            engine.update_weights([x for bucket in stream for x in bucket], version)
-    finally:
-        receiver.drain(stream)  # a refused sync still takes every broadcast, so both sides stay in step
-
-
-def _describe(engine: GenerationEngine) -> dict[str, Any]:
-    d = getattr(engine, "describe", None)
-    return dict(d()) if callable(d) else {"engine": type(engine).__name__}
 
 
 class ProcessEngine:
