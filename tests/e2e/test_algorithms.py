@@ -36,8 +36,11 @@ def test_local_loop_raises_the_reward_with_each_algorithm(name: str, tmp_path: P
     assert len(rows) == steps
     rewards = [r["reward_mean"] for r in rows]
     first, last = _mean(rewards[:30]), _mean(rewards[-30:])
-    # Measured on this config: +0.06 to +0.09 over 120 steps for every algorithm here.
-    assert last > first + 0.04, f"{name}: training reward {first:.3f} -> {last:.3f}"
+    # Measured on this config (2026-12-02, one seed): +0.039 to +0.079 over 120 steps for every algorithm
+    # here, with fused AdamW (the default) and with torch's loop alike; -0.001 for dr-grpo at lr 1e-12, a
+    # trainer that does not move. The float rounding of the two AdamW kernels alone moves an algorithm
+    # by up to 0.02, so the bar sits between the two, not at the edge of one run's noise.
+    assert last > first + 0.03, f"{name}: training reward {first:.3f} -> {last:.3f}"
 
 
 @pytest.mark.parametrize("name", ALGOS)
