@@ -23,6 +23,7 @@ from typing import IO, Any
 import pytest
 import yaml
 
+from services.core.ports import pid_alive
 from tests.fleet_helpers import EXAMPLE
 
 pytestmark = pytest.mark.timeout(240)
@@ -142,15 +143,6 @@ time.sleep(600)
 """
 
 
-def _gone(pid: int) -> bool:
-    # Whoever inherits the orphan may not reap it at once: a zombie has exited all the same.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rpartition(")")[2].split()[0] == "Z"
-
-
 def _lines(stream: IO[str]) -> queue.Queue[str]:
     out: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [out.put(line) for line in stream], daemon=True).start()
@@ -192,16 +184,16 @@ def test_an_engine_process_exits_when_its_actor_is_killed(tmp_path: Path, random
         deadline = time.monotonic() + 150
         if when == "starting":
             while (held := _reader_opened(fifo)) is None:
-                assert not _gone(pid) and time.monotonic() < deadline, "the engine never began to load the model"
+                assert pid_alive(pid) and time.monotonic() < deadline, "the engine never began to load the model"
                 time.sleep(0.1)
         else:
             assert json.loads(lines.get(timeout=150))["ready"] == pid
         actor.kill()
         actor.wait(10)
         t0 = time.monotonic()
-        while not _gone(pid) and time.monotonic() - t0 < 10:
+        while pid_alive(pid) and time.monotonic() - t0 < 10:
             time.sleep(0.1)
-        assert _gone(pid), "the engine process outlived its actor by 10 s"
+        assert not pid_alive(pid), "the engine process outlived its actor by 10 s"
         rows = [json.loads(line) for line in (tmp_path / "actor.log").read_text().splitlines()
                 if line.startswith("{")]
         last = [r for r in rows if r["service"] == "actor.engine"][-1]
@@ -209,7 +201,7 @@ def test_an_engine_process_exits_when_its_actor_is_killed(tmp_path: Path, random
     finally:
         actor.kill()
         actor.wait(10)
-        if pid and not _gone(pid):
+        if pid and pid_alive(pid):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         if held is not None:
@@ -245,17 +237,17 @@ def test_an_orphaned_engine_process_takes_the_processes_it_started_with_it(tmp_p
     pids: list[int] = []
     try:
         pids = json.loads(lines.get(timeout=60))
-        assert not any(_gone(p) for p in pids)
+        assert all(pid_alive(p) for p in pids)
         actor.kill()
         actor.wait(10)
         t0 = time.monotonic()
-        while not all(_gone(p) for p in pids) and time.monotonic() - t0 < 10:
+        while any(pid_alive(p) for p in pids) and time.monotonic() - t0 < 10:
             time.sleep(0.1)
-        assert [p for p in pids if not _gone(p)] == [], "the engine or what it started outlived the actor by 10 s"
+        assert [p for p in pids if pid_alive(p)] == [], "the engine or what it started outlived the actor by 10 s"
     finally:
         actor.kill()
         actor.wait(10)
         for p in pids:
-            if not _gone(p):
+            if pid_alive(p):
                 with contextlib.suppress(OSError):
                     os.kill(p, signal.SIGKILL)
