@@ -110,7 +110,7 @@ class Phase:
     vllm_opts: dict[str, Any] = field(default_factory=dict)
     gen_opts: dict[str, Any] = field(default_factory=dict)
     flow_opts: dict[str, Any] = field(default_factory=dict)
-    lever: str = ""  # the lever a `fleet-0.5b-<lever>` phase adds (empty: the baseline)
+    lever: str = ""  # the lever a `fleet-<w>-<lever>` phase adds (empty: the baseline)
 
 
 # rlfleet's configuration for this workload (every fleet phase but a lever's own change): the trainer's
@@ -174,6 +174,10 @@ def phases() -> list[Phase]:
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", lever_group.get(lever, "levers"),
                          est["lever"] + {"lp": 45, "compile": 75}.get(lever, 0), algo_opts=algo_opts,
                          vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, lever=lever))
+    # At 1.5B the trainer is the step (actor_train 4.0 of 4.2 s at 16:42): compile is its lever there.
+    algo_opts, vllm_opts, gen_opts, flow_opts = LEVERS["compile"]
+    out.append(Phase("fleet-1.5b-compile", "fleet", "1.5b", "levers15", est["fleet-1.5b"] + 75, algo_opts=algo_opts,
+                     vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, lever="compile"))
     out += [Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 200, algo="ppo"),
             Phase("fleet-0.5b-hf", "fleet", "0.5b", "extra", 250, engine="transformers", process=False),
             Phase("fleet-0.5b-inproc", "fleet", "0.5b", "extra", 180, process=False)]

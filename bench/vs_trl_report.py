@@ -41,7 +41,7 @@ LEVER_LABEL = {"lp": "vLLM's per-token log-probs and default CUDA-graph sizes (`
                      " engine`; the configuration of 2026-12-01)",
                "stale2": "a batch up to two versions old (`flow.max_staleness: 2`)",
                "chunked": "chunked log-probs (`algo.logprob_chunk_tokens: 1024`)",
-               "compile": "torch.compile of trainer and reference (`algo.compile`)"}
+               "compile": "torch.compile of trainer and reference, layer by layer (`algo.compile`)"}
 EXTRA_LABEL = {"trl-0.5b": "TRL GRPOTrainer (`model.generate`)", "fleet-0.5b-ppo": "rlfleet PPO + critic",
                "fleet-0.5b-hf": "rlfleet GRPO, transformers engine",
                "fleet-0.5b-inproc": "rlfleet GRPO, vLLM in the actor's process"}
@@ -436,22 +436,28 @@ def render(res: dict[str, Any]) -> str:
                 lines.append(f"- TRL's own per-step timers{run} (median s): " + ", ".join(
                     f"{k.split('.')[-1]} {v:.2f}" for k, v in sorted(p["stages"].items())) + _host(p))
         lines.append("")
-    lines += ["### Levers (0.5B, one run each, against the median of the three 0.5B repeats)\n",
-              "| lever | samples/s | vs baseline | step s | actor_train s | reference s | GPU util % | first step s"
-              " | vLLM start s |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    base05 = sums["0.5b"].get("samples_per_s")
-    for lever, label in LEVER_LABEL.items():
-        p = ph.get(f"fleet-0.5b-{lever}", {})
-        if not p.get("ok"):
-            lines.append(f"| {label} | not measured: {_why(p)} | | | | | | | |")
-            continue
-        st = p.get("stages", {})
-        vs = f"{p['samples_per_s'] / base05:.2f}×" if base05 else "—"
-        lines.append(f"| {label} | {_f(p['samples_per_s'])} | {vs} | {_f(p['median_step_s'], 2)} | "
-                     f"{_f(st.get('actor_train'), 2)} | {_f(st.get('reference'), 2)} | {_f(p.get('gpu_util'))} | "
-                     f"{_first_step(p)} | "
-                     f"{_f(p.get('engine_start_s'), 0)} |")
+    for w in ("0.5b", "1.5b"):
+        measured = [lv for lv in LEVER_LABEL if f"fleet-{w}-{lv}" in ph]
+        if w != "0.5b" and not measured:
+            continue  # the 0.5B table always lists every lever; another shape only the ones it ran
+        lines += [f"### Levers ({w.upper()}, one run each, against the median of the three {w.upper()} repeats)\n",
+                  "| lever | samples/s | vs baseline | step s | actor_train s | reference s | GPU util % | first step s"
+                  " | vLLM start s |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        base = sums[w].get("samples_per_s")
+        for lever in LEVER_LABEL if w == "0.5b" else measured:
+            label = LEVER_LABEL[lever]
+            p = ph.get(f"fleet-{w}-{lever}", {})
+            if not p.get("ok"):
+                lines.append(f"| {label} | not measured: {_why(p)} | | | | | | | |")
+                continue
+            st = p.get("stages", {})
+            vs = f"{p['samples_per_s'] / base:.2f}×" if base else "—"
+            lines.append(f"| {label} | {_f(p['samples_per_s'])} | {vs} | {_f(p['median_step_s'], 2)} | "
+                         f"{_f(st.get('actor_train'), 2)} | {_f(st.get('reference'), 2)} | {_f(p.get('gpu_util'))} | "
+                         f"{_first_step(p)} | "
+                         f"{_f(p.get('engine_start_s'), 0)} |")
+        lines.append("")
     extra = [k for k in EXTRA_LABEL if k != "trl-0.5b" and k in ph]
     if extra:
         lines += ["", "| other configuration (0.5B) | samples/s | tokens/s | step s | first step s | GPU util % |"

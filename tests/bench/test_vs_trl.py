@@ -98,7 +98,8 @@ def test_targets_say_met_or_missed_and_what_holds_a_miss_back() -> None:
     assert "| **rlfleet, median of 3** (spread 10%) | **84.0** |" in md
     assert "| chunked log-probs (`algo.logprob_chunk_tokens: 1024`) | 90.0 | 1.07× |" in md
     assert "| vLLM's per-token log-probs and default CUDA-graph sizes" in md
-    assert "| torch.compile of trainer and reference (`algo.compile`) | not measured: not run |" in md
+    assert "| torch.compile of trainer and reference, layer by layer (`algo.compile`) | not measured: not run |" in md
+    assert "### Levers (1.5B" not in md  # another shape lists only the levers it ran
 
 
 def test_time_to_first_step_compares_repeats_that_compiled_vllm_with_a_peer_that_compiled_too() -> None:

@@ -66,12 +66,23 @@ def test_chunked_reference_scores_equal_the_whole_vocabulary_scores() -> None:
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
 
 
-def test_compile_flag_compiles_the_decoder_of_the_trainer_and_the_reference() -> None:
-    t = PolicyTrainer(_model(), AlgoSection(compile=True), temperature=1.0)
-    ref = ReferenceScorer(_model(), temperature=1.0, compile=True)
+def test_compile_flag_compiles_each_decoder_layer_of_the_trainer_and_the_reference() -> None:
+    t = PolicyTrainer(_model(layers=2), AlgoSection(compile=True), temperature=1.0)
+    ref = ReferenceScorer(_model(layers=2), temperature=1.0, compile=True)
     for m in (t.model, ref.model):
-        assert getattr(m.model, "_compiled_call_impl", None) is not None  # the decoder, not the LM head
+        # Block by block (one compiled code for every layer), never the LM head.
+        assert all(getattr(b, "_compiled_call_impl", None) is not None for b in m.model.layers)
+        assert getattr(m.lm_head, "_compiled_call_impl", None) is None
         assert "model.embed_tokens.weight" in m.state_dict()  # names unchanged: weight syncs still match
+        assert "model.layers.1.mlp.up_proj.weight" in m.state_dict()
+
+
+def test_a_decoder_without_repeated_blocks_is_compiled_whole() -> None:
+    from services.models.logprobs import compile_decoder
+
+    model = _model(layers=1)
+    compile_decoder(model, backend="aot_eager")
+    assert getattr(model.model, "_compiled_call_impl", None) is not None
 
 
 def test_compiled_step_equals_the_eager_step() -> None:
@@ -85,7 +96,7 @@ def test_compiled_step_equals_the_eager_step() -> None:
                        entropy_coef=0.01, lr=1e-2, logprob_chunk_tokens=3)
     steps = []
     for compiled in (False, True):
-        model = _model(layers=1)
+        model = _model(layers=2)
         if compiled:
             compile_decoder(model, backend="aot_eager")
         t = PolicyTrainer(model, algo, temperature=0.9)
