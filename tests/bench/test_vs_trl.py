@@ -102,6 +102,15 @@ def test_targets_say_met_or_missed_and_what_holds_a_miss_back() -> None:
     assert "### Levers (1.5B" not in md  # another shape lists only the levers it ran
 
 
+def test_a_lever_run_at_15b_gets_a_table_of_its_own_against_the_15b_repeats() -> None:
+    res = _result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0])
+    res["phases"]["fleet-1.5b-compile"] = _fleet(42.0, 90.0)
+    md = rep.render(res)
+    table = md[md.index("### Levers (1.5B"):]
+    assert "| torch.compile of trainer and reference, layer by layer (`algo.compile`) | 42.0 | 1.20× |" in table
+    assert "chunked" not in table.split("\n\n")[1]  # only the levers run at 1.5B
+
+
 def test_time_to_first_step_compares_repeats_that_compiled_vllm_with_a_peer_that_compiled_too() -> None:
     # On a fresh host the first launch of a configuration compiles vLLM's graphs (about a minute); later
     # launches load them. TRL's one run compiled, so it is held against the repeat that compiled, not
