@@ -30,6 +30,43 @@ def accepts_kwarg(model: nn.Module, name: str) -> bool:
         return False
 
 
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool,
+                    entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, logp.new_zeros(())
+    # Detached, the entropy records nothing for autograd: no [.., V] tensor is kept for a backward.
+    src = logp_all if entropy_grad and torch.is_grad_enabled() else logp_all.detach()
+    return logp, -(src.exp() * src).sum(-1)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                   entropy_grad: bool = True, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`log softmax(logits / temperature)` at `tokens` (float32, the shape of `tokens`) and, with
+    `with_entropy`, the tempered distribution's entropy at each position (else a 0-d zero).
+
+    Every log-prob path (whole vocabulary, chunked, packed) goes through this one function, so they
+    agree bit for bit. With a torch.compile `backend` the vocabulary-sized steps run as fused kernels:
+    eagerly, the float32 copy of the logits, the log-softmax, the entropy's terms and, in the backward,
+    the dense gradient are each a pass over `[.., V]` (151,936 columns for Qwen2), about 70 bytes of
+    memory traffic per logit; fused, the bf16 logits are read a few times and nothing of that size is
+    kept."""
+    if backend is None:
+        return _token_logprobs(logits, tokens, temperature, with_entropy, entropy_grad)
+    fn = _COMPILED.get(backend)
+    if fn is None:
+        fn = _COMPILED[backend] = torch.compile(_token_logprobs, backend=backend, dynamic=None)
+    out: tuple[torch.Tensor, torch.Tensor] = fn(logits, tokens, temperature, with_entropy, entropy_grad)
+    return out
+
+
 def forward_logits(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -66,6 +103,7 @@ def response_logprobs(
     with_entropy: Literal[False] = ...,
     entropy_grad: bool = ...,
     chunk_tokens: int = ...,
+    compile_backend: str | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -81,6 +119,7 @@ def response_logprobs(
     with_entropy: Literal[True],
     entropy_grad: bool = ...,
     chunk_tokens: int = ...,
+    compile_backend: str | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -95,6 +134,7 @@ def response_logprobs(
     with_entropy: bool = ...,
     entropy_grad: bool = ...,
     chunk_tokens: int = ...,
+    compile_backend: str | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -108,6 +148,7 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     chunk_tokens: int = 0,
+    compile_backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`log softmax(logits / temperature)` at each response token, `[B, R]` float32, 0 at padding.
 
@@ -122,6 +163,9 @@ def response_logprobs(
     autograd each chunk is recomputed in the backward pass (activation checkpointing), so the
     vocabulary-sized tensors alive at any moment are `[chunk_tokens, V]`. Same numbers as the
     whole-vocabulary path; models whose logits are more than `lm_head(hidden)` fall back to it.
+
+    `compile_backend` (torch.compile's, e.g. "inductor") fuses the vocabulary-sized steps
+    (`token_logprobs`); None runs them eagerly.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -144,20 +188,13 @@ def response_logprobs(
         parts = split_head(model)
         if parts is not None:
             return _chunked(parts, input_ids, attention_mask, response_ids, rmask, temperature,
-                            with_entropy, entropy_grad, chunk_tokens)
+                            with_entropy, entropy_grad, chunk_tokens, compile_backend)
     # The last R+1 columns hold the predictions of the R response tokens (plus one past the end).
     logits = forward_logits(model, input_ids, attention_mask, keep_last=r + 1)[:, :-1]
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, response_ids.long().unsqueeze(-1)).squeeze(-1)
+    logp, entropy = token_logprobs(logits, response_ids, temperature, with_entropy, entropy_grad, compile_backend)
     logp = logp.masked_fill(~rmask, 0.0)
     if not with_entropy:
         return logp
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        src = logp_all if entropy_grad else logp_all.detach()
-        entropy = -(src.exp() * src).sum(-1)
     return logp, entropy.masked_fill(~rmask, 0.0)
 
 
@@ -182,23 +219,16 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
 
 
 def _head_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   temperature: float, entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # The same operations, in the same order, as the whole-vocabulary path (bit-for-bit per row).
-    logits = nn.functional.linear(hidden, weight, bias).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    if not entropy:
-        return logp, logp.new_zeros(())
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        src = logp_all if entropy_grad else logp_all.detach()
-        return logp, -(src.exp() * src).sum(-1)
+                   temperature: float, entropy: bool, entropy_grad: bool,
+                   backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = nn.functional.linear(hidden, weight, bias)
+    return token_logprobs(logits, tokens, temperature, entropy, entropy_grad, backend)
 
 
 def _chunked(parts: tuple[nn.Module, nn.Linear], input_ids: torch.Tensor, attention_mask: torch.Tensor,
              response_ids: torch.Tensor, rmask: torch.Tensor, temperature: float, with_entropy: bool,
-             entropy_grad: bool, chunk: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             entropy_grad: bool, chunk: int,
+             backend: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     decoder, head = parts
     b, r = response_ids.shape
     out = decoder(input_ids=input_ids, attention_mask=attention_mask.long(),
@@ -210,7 +240,7 @@ def _chunked(parts: tuple[nn.Module, nn.Linear], input_ids: torch.Tensor, attent
     lps, ents = [], []
     for i in range(0, hidden.shape[0], chunk):
         args = (hidden[i:i + chunk], tokens[i:i + chunk], head.weight, head.bias, temperature, with_entropy,
-                entropy_grad)
+                entropy_grad, backend)
         lp, ent = (checkpoint(_head_logprobs, *args, use_reentrant=False) if grad
                    else _head_logprobs(*args))
         lps.append(lp)

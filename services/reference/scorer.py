@@ -22,17 +22,20 @@ class ReferenceScorer:
         self.temperature = temperature
         self.micro_batch, self.micro_tokens, self.pack = micro_batch, micro_tokens, pack
         self.chunk_tokens = chunk_tokens
-        if compile:
-            compile_decoder(self.model)
+        self.compile_backend = "inductor" if compile else None
+        if self.compile_backend is not None:
+            compile_decoder(self.model, self.compile_backend)
         self.device = next(model.parameters()).device
 
     def _plain(self, mb: Rollout) -> torch.Tensor:
         out = response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                temperature=self.temperature, chunk_tokens=self.chunk_tokens)
+                                temperature=self.temperature, chunk_tokens=self.chunk_tokens,
+                                compile_backend=self.compile_backend)
         return out if isinstance(out, torch.Tensor) else out[0]
 
     def _packed(self, mb: Rollout, bins: list[list[int]]) -> torch.Tensor:
-        return packed_logprobs(self.model, mb, bins, temperature=self.temperature)[0]
+        return packed_logprobs(self.model, mb, bins, temperature=self.temperature,
+                               compile_backend=self.compile_backend)[0]
 
     @torch.no_grad()
     def score(self, r: Rollout) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from services.models.critic import ValueModel
-from services.models.logprobs import accepts_kwarg
+from services.models.logprobs import accepts_kwarg, token_logprobs
 from services.rl.batch import Rollout
 
 
@@ -79,7 +79,7 @@ def _scatter(rows: PackedRows, vals: torch.Tensor, shape: torch.Size) -> torch.T
 
 def packed_logprobs(
     model: nn.Module, r: Rollout, bins: list[list[int]], temperature: float = 1.0,
-    with_entropy: bool = False, entropy_grad: bool = True,
+    with_entropy: bool = False, entropy_grad: bool = True, compile_backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What `response_logprobs` gives for `r` (`[B, R]` float32 log-probs, 0 at padding, and the
     entropy with `with_entropy`), computed on packed rows."""
@@ -98,18 +98,12 @@ def packed_logprobs(
     col = rows.src_col
     if "logits_to_keep" in extra and logits.shape[1] == len(keep):
         col = torch.searchsorted(keep, rows.src_col)
-    z = logits[rows.src_row.to(dev), col.to(dev)].float()
-    if temperature != 1.0:
-        z = z / temperature
-    logp_all = torch.log_softmax(z, dim=-1)
-    logp = logp_all.gather(-1, rows.targets.to(dev).unsqueeze(-1)).squeeze(-1)
+    z = logits[rows.src_row.to(dev), col.to(dev)]
+    logp, entropy = token_logprobs(z, rows.targets.to(dev), temperature, with_entropy, entropy_grad, compile_backend)
     shape = r.response_ids.shape
     out = _scatter(rows, logp, shape)
     if not with_entropy:
         return out, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        src = logp_all if entropy_grad else logp_all.detach()
-        entropy = -(src.exp() * src).sum(-1)
     return out, _scatter(rows, entropy, shape)
 
 

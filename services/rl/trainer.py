@@ -81,19 +81,22 @@ class PolicyTrainer:
         self.split: SplitFn = micro_plan
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
-        if algo.compile:
-            compile_decoder(model)
+        # torch.compile's backend for the decoder's blocks and the vocabulary-sized log-prob steps.
+        self.compile_backend = "inductor" if algo.compile else None
+        if self.compile_backend is not None:
+            compile_decoder(model, self.compile_backend)
         self.opt = adamw(model, algo.lr, algo.fused_optimizer)
 
     def _logprobs(self, r: Rollout, with_entropy: bool,
                   bins: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if bins is not None:
             return packed_logprobs(self.model, r, bins, temperature=self.temperature, with_entropy=with_entropy,
-                                   entropy_grad=self.algo.entropy_coef > 0)
+                                   entropy_grad=self.algo.entropy_coef > 0, compile_backend=self.compile_backend)
         out = response_logprobs(
             self.model, r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask,
             temperature=self.temperature, with_entropy=with_entropy,
             entropy_grad=self.algo.entropy_coef > 0, chunk_tokens=self.algo.logprob_chunk_tokens,
+            compile_backend=self.compile_backend,
         )
         if isinstance(out, tuple):
             return out[0], out[1]

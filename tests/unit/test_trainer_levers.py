@@ -103,3 +103,31 @@ def test_compiled_step_equals_the_eager_step() -> None:
         t.train_step(_rollout(), step=0, current_version=1)
         steps.append([p.detach().clone() for p in model.parameters()])
     _assert_same(*steps, tol=1e-5)
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_compiled_token_logprobs_equal_the_eager_ones_with_their_gradients(entropy_grad: bool) -> None:
+    # aot_eager: dynamo's capture and AOT autograd's forward and backward graphs, eager kernels (inductor's
+    # C++ build takes minutes here); the fused kernels are what inductor then lowers these graphs to.
+    from services.models.logprobs import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 50, generator=g)
+    tokens = torch.randint(0, 50, (3, 5), generator=g)
+    got = []
+    for backend in (None, "aot_eager"):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = token_logprobs(x, tokens, 0.9, with_entropy=True, entropy_grad=entropy_grad, backend=backend)
+        assert ent.requires_grad is entropy_grad  # a statistic only: nothing kept for a backward
+        (lp.sum() + (ent.sum() if entropy_grad else 0)).backward()
+        got.append((lp.detach(), ent.detach(), x.grad))
+    for eager, compiled in zip(*got, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
+
+
+def test_the_compile_flag_fuses_the_trainers_and_the_references_log_prob_steps() -> None:
+    t = PolicyTrainer(_model(), AlgoSection(compile=True), temperature=1.0)
+    ref = ReferenceScorer(_model(), temperature=1.0, compile=True)
+    assert t.compile_backend == ref.compile_backend == "inductor"
+    plain = PolicyTrainer(_model(), AlgoSection(), temperature=1.0)
+    assert plain.compile_backend is None
