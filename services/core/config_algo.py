@@ -100,7 +100,9 @@ class AlgoSection(_Strict):
     """AdamW's fused implementation (one kernel over all parameters; the same steps as the loop over
     tensors, and what transformers' Trainer, hence TRL, uses by default); false: torch's foreach loop."""
     compile: bool = False
-    """torch.compile the decoder of the trainer's and the reference's model (the first steps compile)."""
+    """torch.compile the trainer's and the reference's model: the decoder block by block (one compiled
+    code for all layers) and the vocabulary-sized log-prob and entropy steps as fused kernels. Their
+    first forward and backward compile (Inductor's on-disk cache makes later starts faster)."""
 
     @model_validator(mode="before")
     @classmethod
