@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,6 +41,7 @@ from services.dist.protocol import RankError
 from services.models.engine import EngineError, SamplingParams, completions_to_rollout
 from services.models.factory import make_engine
 from services.models.loading import load_tokenizer
+from services.models.logprobs import warm_up_compiled
 from services.models.lora import check_only_adapters_train, engine_weights, is_lora
 from services.models.replicas import ReplicaEngine
 from services.rl.trainer import PolicyTrainer
@@ -78,6 +80,7 @@ class Actor:
         self.bus: Bus | None = None
         self.worker: StreamWorker | None = None
         self.engine_lock = asyncio.Lock()  # generation vs weight sync
+        self.warm: asyncio.Task[None] | None = None  # the trainer's compile (`warming`)
         self.held = False  # backpressure state
         self.fill = 0.0
 
@@ -95,8 +98,8 @@ class Actor:
         if cfg.models.policy.lora is not None:
             check_only_adapters_train(self.policy, self.trainer.opt)
         # A peft wrapper passes `config` through to its model; peft is imported only by LoRA runs.
-        vocab = int(cast(PreTrainedModel, self.policy).config.vocab_size)
-        self.limits = Limits.for_run(cfg, vocab_size=vocab)
+        self.vocab = int(cast(PreTrainedModel, self.policy).config.vocab_size)
+        self.limits = Limits.for_run(cfg, vocab_size=self.vocab)
 
     def weights(self) -> Any:
         """(name, tensor) pairs of the whole policy, for the engine: gathered from every rank, or
@@ -283,7 +286,28 @@ class Actor:
         self.metrics.policy_version.set(self.version)
         return res
 
+    async def warm_up(self) -> None:
+        """The trainer's compile (`algo.compile`) in the background: it overlaps the first generation
+        and scoring instead of lengthening the first step. One rank only: on several, a warm-up would
+        have to run every rank's collectives (they compile in their first step)."""
+        if self.ranks is not None:
+            return
+        proximal = self.trainer.weights_move_within(self.cfg.samples_per_step)
+        await asyncio.to_thread(warm_up_compiled, "actor", partial(self.trainer.warm_up, self.vocab, proximal))
+
+    def warming(self) -> asyncio.Task[None]:
+        """The warm-up task, started by whichever comes first: main() or a call that needs it."""
+        if self.warm is None:
+            self.warm = asyncio.create_task(self.warm_up())
+        return self.warm
+
+    async def warmed_up(self) -> None:
+        """Wait for the warm-up before touching the trainer's weights or gradients (it runs forward
+        and backward passes on them)."""
+        await asyncio.shield(self.warming())
+
     async def _train_step(self, req: TrainRequest) -> dict[str, float]:
+        await self.warmed_up()
         with self.metrics.time_stage("actor_train"):
             if self.ranks is not None:
                 stats = await asyncio.to_thread(self.ranks.train, req.rollout, req.step, self.version)
@@ -320,6 +344,7 @@ class Actor:
             await invalid(context, e)
         path, version = Path(request.checkpoint_path), int(request.version)
         t0 = time.perf_counter()
+        await self.warmed_up()
         async with self.t.lock:
             try:
                 committed = await self.committed_version()
@@ -350,15 +375,20 @@ class Actor:
         self.worker = StreamWorker(self.bus, self.bus.keys.prompts, "actor", self.instance, self.handle,
                                    self.metrics, gate=self.gate)
         await self.runtime.refresh_readiness()
+        warm = self.warming()
         background = asyncio.create_task(self.housekeeping())
         work = asyncio.create_task(self.worker.run())
         watch = asyncio.create_task(self.watch_engine())
         try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # an engine that died fails the service: its supervisor restarts it
+            pending = {work, watch, warm}
+            while True:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # an engine that died fails the service: its supervisor restarts it
+                if done - {warm}:  # a finished warm-up leaves the service running
+                    break
         finally:
-            for task in (background, work, watch):
+            for task in (background, work, watch, warm):
                 task.cancel()
 
     async def watch_engine(self) -> None:

@@ -99,10 +99,13 @@ class AlgoSection(_Strict):
     fused_optimizer: bool = True
     """AdamW's fused implementation (one kernel over all parameters; the same steps as the loop over
     tensors, and what transformers' Trainer, hence TRL, uses by default); false: torch's foreach loop."""
-    compile: bool = False
+    compile: bool | None = None
     """torch.compile the trainer's and the reference's model: the decoder block by block (one compiled
-    code for all layers) and the vocabulary-sized log-prob and entropy steps as fused kernels. Their
-    first forward and backward compile (Inductor's on-disk cache makes later starts faster)."""
+    code for all layers) and the vocabulary-sized log-prob and entropy steps as fused kernels. Unset:
+    on for a role on one CUDA GPU (on an H200, 1.3-1.4x the fleet's samples/s at 1.5B, BENCHMARKS.md),
+    off on the CPU (Inductor's C++ builds take minutes, longer than a small CPU run gains) and for a
+    role sharded over several GPUs (untested with FSDP). Both compile at start-up, on small batches of
+    two shapes, so that the first step runs compiled code (Inductor's on-disk cache speeds restarts)."""
 
     @model_validator(mode="before")
     @classmethod

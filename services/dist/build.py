@@ -11,6 +11,7 @@ from services.core.config import RunConfig, ServiceName
 from services.models.critic import ValueModel
 from services.models.lora import load_policy
 from services.models.roles import critic_path
+from services.dist.nodes import world_size
 from services.rl.trainer import PolicyTrainer, ValueTrainer
 
 Trainer = PolicyTrainer | ValueTrainer
@@ -32,7 +33,8 @@ def build_trainer(cfg: RunConfig, service: ServiceName, model: nn.Module) -> Tra
     if service == "actor":
         return PolicyTrainer(model, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
                              gradient_checkpointing=cfg.models.policy.gradient_checkpointing,
-                             behaviour_logprobs=cfg.generation.behaviour_logprobs)
+                             behaviour_logprobs=cfg.generation.behaviour_logprobs,
+                             ranks=world_size(cfg, service))
     spec = cfg.models.critic or cfg.models.policy
     assert isinstance(model, ValueModel)
     return ValueTrainer(model, cfg.algo, seed=cfg.run.seed, gradient_checkpointing=spec.gradient_checkpointing)

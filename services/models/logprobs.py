@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
+from collections.abc import Callable
 from typing import Any, Literal, overload
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from services.core.config_base import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +268,37 @@ def repeated_blocks(module: nn.Module) -> nn.ModuleList | None:
     return best
 
 
-def compile_decoder(model: nn.Module, backend: str = "inductor") -> nn.Module:
+COMPILE_BACKEND = "inductor"  # torch.compile's backend for `algo.compile` (tests swap in a counting one)
+
+
+def wants_compile(flag: bool | None, device: torch.device | str, ranks: int = 1, adapters: bool = False) -> bool:
+    """`algo.compile` for a model on `device` trained or scored by `ranks` processes: as set, else on
+    for a full model (no LoRA `adapters`) on one CUDA device, the configuration measured on the GPU
+    (see `AlgoSection.compile`)."""
+    if flag is not None:
+        return flag
+    return torch.device(device).type == "cuda" and ranks == 1 and not adapters
+
+
+def warm_up_compiled(role: str, warm_up: Callable[[], bool]) -> None:
+    """Run a `warm_up` of compiled code (it says whether there was any to compile); a compile failure
+    (no compiler for Triton, an operator Inductor cannot lower) is a ConfigError naming the way out: a
+    restart would fail the same way."""
+    t0 = time.perf_counter()
+    try:
+        if warm_up():
+            log.info("compiled", extra={"role": role, "seconds": round(time.perf_counter() - t0, 1)})
+    except Exception as err:
+        from torch._dynamo.exc import TorchDynamoException
+
+        if not isinstance(err, TorchDynamoException):
+            raise
+        raise ConfigError(f"{role}: torch.compile failed while warming up ({type(err).__name__}:"
+                          f" {str(err).splitlines()[0][:300] if str(err) else ''}); algo.compile: false runs"
+                          f" the model eagerly") from err
+
+
+def compile_decoder(model: nn.Module, backend: str = COMPILE_BACKEND) -> nn.Module:
     """torch.compile the transformer body of `model` in place (the module its forward and the chunked
     path both call), keeping parameter names, so state dicts and weight syncs are unchanged.
 

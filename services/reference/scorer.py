@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 
-from services.models.logprobs import compile_decoder, response_logprobs
+from services.models.logprobs import COMPILE_BACKEND, compile_decoder, response_logprobs, wants_compile
 from services.rl.batch import Rollout
 from services.rl.micro import score_rows
 from services.rl.packing import packed_logprobs
+from services.rl.warmup import warm_up_rollouts
 
 
 class ReferenceScorer:
@@ -17,15 +20,24 @@ class ReferenceScorer:
     `algo.logprob_chunk_tokens` and `algo.compile`."""
 
     def __init__(self, model: nn.Module, temperature: float, micro_batch: int = 0, micro_tokens: int = 0,
-                 pack: bool = False, chunk_tokens: int = 0, compile: bool = False) -> None:
+                 pack: bool = False, chunk_tokens: int = 0, compile: bool | None = False) -> None:
         self.model = model.eval().requires_grad_(False)
         self.temperature = temperature
         self.micro_batch, self.micro_tokens, self.pack = micro_batch, micro_tokens, pack
         self.chunk_tokens = chunk_tokens
-        self.compile_backend = "inductor" if compile else None
+        self.device = next(model.parameters()).device
+        self.compile_backend = COMPILE_BACKEND if wants_compile(compile, self.device) else None
         if self.compile_backend is not None:
             compile_decoder(self.model, self.compile_backend)
-        self.device = next(model.parameters()).device
+
+    def warm_up(self) -> bool:
+        """Compile the scoring forward on small rollouts (`services.rl.warmup`); False, doing nothing,
+        without compile."""
+        if self.compile_backend is None:
+            return False
+        for r in warm_up_rollouts(int(cast(Any, self.model).config.vocab_size)):
+            self.score(r)
+        return True
 
     def _plain(self, mb: Rollout) -> torch.Tensor:
         out = response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,

@@ -7,6 +7,7 @@ from pathlib import Path
 from services.core.config import RunConfig
 from services.core.scoring import ScoringService
 from services.models.loading import load_causal_lm
+from services.models.logprobs import warm_up_compiled
 from services.reference.scorer import ReferenceScorer
 
 
@@ -18,4 +19,7 @@ def serve(cfg: RunConfig) -> None:
     scorer = ReferenceScorer(model, cfg.generation.temperature, micro_batch=a.micro_batch_size,
                              micro_tokens=a.micro_batch_tokens, pack=a.pack_sequences,
                              chunk_tokens=a.logprob_chunk_tokens, compile=a.compile)
+    # Before serving: the first batch then runs compiled code, and the compile overlaps the actor's
+    # engine start (a few small batches: nothing vLLM's memory profiling would miss).
+    warm_up_compiled("reference", scorer.warm_up)
     ScoringService(cfg, "reference", scorer.score).run()

@@ -11,11 +11,12 @@ from torch import nn
 
 from services.core.config import AlgoSection, BehaviourLogprobs
 from services.models.critic import ValueModel
-from services.models.logprobs import compile_decoder, response_logprobs
+from services.models.logprobs import COMPILE_BACKEND, compile_decoder, response_logprobs, wants_compile
 from services.rl.batch import Rollout
 from services.rl.losses import aggregate, kl_loss, policy_loss, value_loss
 from services.rl.micro import MicroBatch, part_of, plan, score_rows
 from services.rl.packing import packed_logprobs, packed_values
+from services.rl.warmup import warm_up_rollouts
 
 
 def _minibatches(n: int, size: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -71,7 +72,8 @@ class PolicyTrainer:
     move one micro-batch at a time."""
 
     def __init__(self, model: nn.Module, algo: AlgoSection, temperature: float, seed: int = 0,
-                 gradient_checkpointing: bool = False, behaviour_logprobs: BehaviourLogprobs = "engine") -> None:
+                 gradient_checkpointing: bool = False, behaviour_logprobs: BehaviourLogprobs = "engine",
+                 ranks: int = 1) -> None:
         self.model = model
         self.algo = algo
         self.temperature = temperature
@@ -82,10 +84,36 @@ class PolicyTrainer:
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         # torch.compile's backend for the decoder's blocks and the vocabulary-sized log-prob steps.
-        self.compile_backend = "inductor" if algo.compile else None
+        lora = hasattr(model, "peft_config")
+        self.compile_backend = COMPILE_BACKEND if wants_compile(algo.compile, self.device, ranks, lora) else None
         if self.compile_backend is not None:
             compile_decoder(model, self.compile_backend)
         self.opt = adamw(model, algo.lr, algo.fused_optimizer)
+
+    def warm_up(self, vocab: int, proximal: bool = False) -> bool:
+        """Compile what a step runs (`services.rl.warmup`) before the first step; False, doing nothing,
+        without compile. Forward and backward passes on small rollouts, with `proximal` the no-grad
+        proximal forward too; no optimizer step, and the gradients are dropped: the weights stay as
+        they are."""
+        if self.compile_backend is None:
+            return False
+        self.model.train()
+        try:
+            for r in warm_up_rollouts(vocab):
+                for m in self.split(r, self.algo):
+                    part = part_of(r, m).to(self.device)
+                    if proximal:
+                        with torch.no_grad():
+                            self._logprobs(part, False, m.bins)
+                    logp, ent = self._logprobs(part, with_entropy=True, bins=m.bins)
+                    loss = -(logp * part.response_mask).sum()
+                    if ent is not None and ent.requires_grad:
+                        loss = loss - (ent * part.response_mask).sum()
+                    loss.backward()
+        finally:
+            self.opt.zero_grad(set_to_none=True)
+            self.model.eval()
+        return True
 
     def _logprobs(self, r: Rollout, with_entropy: bool,
                   bins: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -131,3 +131,79 @@ def test_the_compile_flag_fuses_the_trainers_and_the_references_log_prob_steps()
     assert t.compile_backend == ref.compile_backend == "inductor"
     plain = PolicyTrainer(_model(), AlgoSection(), temperature=1.0)
     assert plain.compile_backend is None
+
+
+def test_compile_is_on_unless_set_only_for_a_full_model_on_one_cuda_device() -> None:
+    from services.models.logprobs import wants_compile
+
+    assert AlgoSection().compile is None
+    assert wants_compile(None, "cuda:0") and wants_compile(None, torch.device("cuda", 1))
+    assert not wants_compile(None, "cpu")  # Inductor's C++ builds cost more than a CPU run gains
+    assert not wants_compile(None, "cuda:0", ranks=2)  # FSDP with compiled blocks: not measured
+    assert not wants_compile(None, "cuda:0", adapters=True)  # LoRA: not measured
+    assert wants_compile(True, "cpu") and not wants_compile(False, "cuda:0")
+    assert PolicyTrainer(_model(), AlgoSection(), temperature=1.0).compile_backend is None  # this CPU
+    assert ReferenceScorer(_model(), temperature=1.0, compile=None).compile_backend is None
+
+
+class _CountingBackend:
+    """aot_eager (dynamo's capture, AOT autograd's graphs, eager kernels) that counts the graphs it builds."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_compiler
+
+        self.graphs += 1
+        eager = make_boxed_compiler(lambda g, _: g)
+        return aot_autograd(fw_compiler=eager, bw_compiler=eager)(gm, example_inputs)
+
+
+def test_the_warm_up_compiles_every_graph_the_first_steps_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.reference.scorer as scorer_mod
+    import services.rl.trainer as trainer_mod
+
+    torch._dynamo.reset()
+    backend = _CountingBackend()
+    monkeypatch.setattr(trainer_mod, "COMPILE_BACKEND", backend)
+    monkeypatch.setattr(scorer_mod, "COMPILE_BACKEND", backend)
+    # Micro-batches of 4 rows and of the remainder 2, minibatches of 3 (the weights move within the
+    # batch, so the no-grad proximal forward runs too): other shapes than the warm-up's.
+    algo = AlgoSection(name="grpo", minibatch_size=3, micro_batch_size=2, kl_coef=0.1, kl_in="loss",
+                       entropy_coef=0.01, compile=True)
+    t = PolicyTrainer(_model(), algo, temperature=0.9)
+    ref = ReferenceScorer(_model(), temperature=0.9, micro_batch=4, compile=True)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    assert t.warm_up(vocab=t.model.config.vocab_size, proximal=t.weights_move_within(6))
+    assert ref.warm_up()
+    assert backend.graphs > 0
+    assert all(p.grad is None for p in t.model.parameters())  # no gradient left behind
+    assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters(), strict=True))  # no step taken
+    assert not t.model.training
+    built = backend.graphs
+    r = _rollout()
+    r.ref_logprobs = ref.score(r)
+    for step in range(2):
+        t.train_step(r, step=step, current_version=1)
+    assert backend.graphs == built  # the steps ran compiled code only
+
+
+def test_a_compile_failure_in_the_warm_up_is_a_config_error_naming_the_way_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.reference.scorer as scorer_mod
+    from services.core.config import ConfigError
+    from services.models.logprobs import warm_up_compiled
+
+    def broken(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        raise RuntimeError("no C compiler for Triton's launcher")
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(scorer_mod, "COMPILE_BACKEND", broken)
+    ref = ReferenceScorer(_model(), temperature=0.9, compile=True)
+    with pytest.raises(ConfigError, match=r"reference: torch.compile failed .*algo.compile: false"):
+        warm_up_compiled("reference", ref.warm_up)
+    with pytest.raises(ZeroDivisionError):  # anything else is not a compile failure: it propagates as is
+        warm_up_compiled("reference", lambda: bool(1 / 0))
+    assert not ReferenceScorer(_model(), temperature=0.9).warm_up()  # nothing to compile: nothing done
