@@ -17,7 +17,7 @@ device call of at most 10 minutes (`plan` prints the estimates, seconds measured
 repeats, vLLM alone, trainer and reference alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM,
 both workloads, and a second run at 0.5B), `peers2` (TRL with vLLM's other repeats, TRL with generate,
 then the `stale2` lever); `levers` (`lp`, the 0.5B fleet with vLLM's log-prob output, then `chunked`) and
-`levers2` (`compile`) get what is left. A run first checks, in seconds, that every service and both
+`levers2` (`eager`) get what is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
 - `trl-vllm-<w>`, `-r2`, `-r3`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the
@@ -36,8 +36,9 @@ peers import on the host, and skips a phase that would not finish before `--dead
 - `trl-0.5b`: TRL with `model.generate` (the second peer row).
 - `fleet-0.5b-<lever>`: one change to `fleet-0.5b`: `lp` (vLLM's per-token log-probs and its default
   CUDA-graph sizes: the configuration of the 2026-12-01 run), `stale2` (flow.max_staleness 2),
-  `chunked` (algo.logprob_chunk_tokens), `compile` (algo.compile). Fused AdamW, a lever until the
-  13:08 run of 2026-12-02 (+6%), is rlfleet's default since, as it is transformers' (TRL's optimizer).
+  `chunked` (algo.logprob_chunk_tokens), `eager` (algo.compile false: no torch.compile). Fused AdamW, a
+  lever until the 13:08 run of 2026-12-02 (+6%), is rlfleet's default since, as it is transformers' (TRL's
+  optimizer); torch.compile, a lever until 2026-12-03 (1.30-1.41x at 1.5B, 1.04-1.09x at 0.5B), too.
 - `extra` (not default): PPO with a critic, the transformers engine, the engine inside the actor.
 
 Steady state drops the first `--warmup` steps and takes medians over the rest. Time to first step runs
@@ -129,7 +130,7 @@ LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str
     # 71% utilization); a batch may then be two versions old, so generation runs one more step ahead.
     "stale2": ({}, {}, {}, {"max_staleness": 2}),
     "chunked": ({"logprob_chunk_tokens": 1024}, {}, {}, {}),
-    "compile": ({"compile": True}, {}, {}, {}),
+    "eager": ({"compile": False}, {}, {}, {}),
 }
 # What a CPU dry run can start: no vLLM (its options are refused by the transformers engine) and no
 # inductor (minutes per graph on two cores; tests/unit/test_trainer_levers.py checks compile).
@@ -169,15 +170,15 @@ def phases() -> list[Phase]:
             w = name.split("-")[2]
             out.append(Phase(name, "trl-vllm", w, group, est[f"trl-vllm-{w}" + ("-warm" if "-r" in name else "")]))
     out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
-    lever_group = {"stale2": "peers2", "compile": "levers2"}
+    lever_group = {"stale2": "peers2", "eager": "levers2"}
     for lever, (algo_opts, vllm_opts, gen_opts, flow_opts) in LEVERS.items():
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", lever_group.get(lever, "levers"),
-                         est["lever"] + {"lp": 45, "compile": 75}.get(lever, 0), algo_opts=algo_opts,
+                         est["lever"] + {"lp": 45}.get(lever, 0), algo_opts=algo_opts,
                          vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, lever=lever))
-    # At 1.5B the trainer is the step (actor_train 4.0 of 4.2 s at 16:42): compile is its lever there.
-    algo_opts, vllm_opts, gen_opts, flow_opts = LEVERS["compile"]
-    out.append(Phase("fleet-1.5b-compile", "fleet", "1.5b", "levers15", est["fleet-1.5b"] + 75, algo_opts=algo_opts,
-                     vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, lever="compile"))
+    # At 1.5B the trainer is the step (actor_train 4.0 of 4.2 s eagerly at 16:42): compile is its lever.
+    algo_opts, vllm_opts, gen_opts, flow_opts = LEVERS["eager"]
+    out.append(Phase("fleet-1.5b-eager", "fleet", "1.5b", "levers15", est["fleet-1.5b"], algo_opts=algo_opts,
+                     vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, lever="eager"))
     out += [Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 200, algo="ppo"),
             Phase("fleet-0.5b-hf", "fleet", "0.5b", "extra", 250, engine="transformers", process=False),
             Phase("fleet-0.5b-inproc", "fleet", "0.5b", "extra", 180, process=False)]

@@ -98,16 +98,16 @@ def test_targets_say_met_or_missed_and_what_holds_a_miss_back() -> None:
     assert "| **rlfleet, median of 3** (spread 10%) | **84.0** |" in md
     assert "| chunked log-probs (`algo.logprob_chunk_tokens: 1024`) | 90.0 | 1.07× |" in md
     assert "| vLLM's per-token log-probs and default CUDA-graph sizes" in md
-    assert f"| {rep.LEVER_LABEL['compile']} | not measured: not run |" in md
+    assert f"| {rep.LEVER_LABEL['eager']} | not measured: not run |" in md
     assert "### Levers (1.5B" not in md  # another shape lists only the levers it ran
 
 
 def test_a_lever_run_at_15b_gets_a_table_of_its_own_against_the_15b_repeats() -> None:
     res = _result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0])
-    res["phases"]["fleet-1.5b-compile"] = _fleet(42.0, 90.0)
+    res["phases"]["fleet-1.5b-eager"] = _fleet(42.0, 90.0)
     md = rep.render(res)
     table = md[md.index("### Levers (1.5B"):]
-    assert f"| {rep.LEVER_LABEL['compile']} | 42.0 | 1.20× |" in table
+    assert f"| {rep.LEVER_LABEL['eager']} | 42.0 | 1.20× |" in table
     assert "chunked" not in table.split("\n\n")[1]  # only the levers run at 1.5B
 
 
