@@ -27,6 +27,7 @@ import httpx
 import yaml
 
 from services.core.config import RunConfig, ServiceName, parse_config
+from services.core.mps import MpsDaemon, MpsError
 from services.core.placement import Inventory, PlacementError, Plan, discover_gpus
 from services.core.ports import PortClaims, PortRequest, assign_ports
 from services.core.redis_proc import RedisProcess, start_redis
@@ -111,6 +112,7 @@ class Fleet:
         self.restart_budget = restart_budget
         self.python = python
         self.redis: RedisProcess | None = None
+        self.mps: MpsDaemon | None = None  # run.cuda_mps
         self.procs: dict[str, ServiceProc] = {}
         self.cfg: RunConfig | None = None
         self.plan: Plan | None = None
@@ -242,6 +244,12 @@ class Fleet:
                                          password=self.base_cfg.redis_password())
             redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"  # password travels via env only
             log.info("redis started", extra={"pid": self.redis.proc.pid})
+        if self.base_cfg.run.cuda_mps and self.mps is None:
+            with self.hold_signals():  # bounded: each control call gives up after 10 s
+                try:
+                    self.mps = MpsDaemon.start()
+                except MpsError as err:
+                    raise FleetError(str(err)) from None
         cfg = resolve_fleet_config(self.base_cfg, redis_url, ports)
         if build:  # once here, so services never race to build it
             roles.prepare(cfg)
@@ -279,6 +287,8 @@ class Fleet:
         if self.plan is not None:
             # A service without a device group sees no GPU at all: nothing lands on one by accident.
             env.update(self.plan.service_env(name, replica))
+        if self.mps is not None:
+            env.update(self.mps.env)
         return env
 
     def _spawn(self, name: ServiceName, replica: int = 0) -> ServiceProc:
@@ -420,6 +430,9 @@ class Fleet:
                     sp.proc.wait(timeout=5)
         if self.redis is not None:
             self.redis.stop()
+        if self.mps is not None:  # after the services: the daemon's server exits with its last client
+            self.mps.stop()
+            self.mps = None
         if self._claimed:
             PortClaims().release(self.owner)
             self._claimed = False
@@ -432,6 +445,8 @@ class Fleet:
         if self.redis is not None:
             with contextlib.suppress(OSError):
                 self.redis.proc.kill()
+        if self.mps is not None:
+            self.mps.quit_nowait()
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

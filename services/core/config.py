@@ -74,6 +74,11 @@ class RunSection(_Strict):
     eval_every: Annotated[int, Field(ge=0)] = 0
     # Experiment trackers every metrics row also goes to (TensorBoard, W&B, MLflow); none by default.
     trackers: list[TrackerSpec] = Field(default_factory=list)
+    cuda_mps: bool = False
+    """`rlfleet up` starts a CUDA MPS control daemon of its own and runs every service as its client:
+    the kernels of services sharing a GPU then run side by side instead of time-slicing (engine decode
+    beside the trainer's step). Needs `nvidia-cuda-mps-control` on the host and a service on a CUDA
+    device; not for docker compose or Kubernetes, whose containers would have to share the daemon."""
 
 
 class VLLMOptions(_Strict):
@@ -357,6 +362,9 @@ class RunConfig(_Strict):
         if ov is not None and ov > self.generation.max_new_tokens:
             raise ValueError(f"algo.overlong_buffer_len ({ov}) must be at most generation.max_new_tokens"
                              f" ({self.generation.max_new_tokens})")
+        if self.run.cuda_mps and not any(self.endpoint(n).device.startswith("cuda") for n in SERVICE_NAMES):
+            raise ValueError("run.cuda_mps: no service runs on a CUDA device (services.<name>.device), so MPS"
+                             " would share nothing; set run.cuda_mps: false")
         if self.batch.prompts_per_step % self.batch.prompts_per_message:
             raise ValueError(
                 f"batch.prompts_per_step ({self.batch.prompts_per_step}) must be a multiple of"
