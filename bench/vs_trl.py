@@ -16,8 +16,8 @@ device call of at most 10 minutes (`plan` prints the estimates, seconds measured
 2026-12-02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
 repeats, vLLM alone, trainer and reference alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM,
 both workloads, and a second run at 0.5B), `peers2` (TRL with vLLM's other repeats, TRL with generate,
-then the `stale2` lever); `levers` (`lp`, the 0.5B fleet with vLLM's log-prob output, then `chunked`) and
-`levers2` (`eager`) get what is left. A run first checks, in seconds, that every service and both
+then the `stale2` lever); `levers2` (`mps`, then `eager`) and `levers` (`lp`, the 0.5B fleet with vLLM's
+log-prob output, then `chunked`) get what is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
 - `trl-vllm-<w>`, `-r2`, `-r3`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the
@@ -36,7 +36,8 @@ peers import on the host, and skips a phase that would not finish before `--dead
 - `trl-0.5b`: TRL with `model.generate` (the second peer row).
 - `fleet-0.5b-<lever>`: one change to `fleet-0.5b`: `lp` (vLLM's per-token log-probs and its default
   CUDA-graph sizes: the configuration of the 2026-12-01 run), `stale2` (flow.max_staleness 2),
-  `chunked` (algo.logprob_chunk_tokens), `eager` (algo.compile false: no torch.compile). Fused AdamW, a
+  `chunked` (algo.logprob_chunk_tokens), `mps` (run.cuda_mps: the services as clients of a CUDA MPS
+  daemon), `eager` (algo.compile false: no torch.compile). Fused AdamW, a
   lever until the 13:08 run of 2026-12-02 (+6%), is rlfleet's default since, as it is transformers' (TRL's
   optimizer); torch.compile, a lever until 2026-12-03 (1.30-1.41x at 1.5B, 1.04-1.09x at 0.5B), too.
 - `extra` (not default): PPO with a critic, the transformers engine, the engine inside the actor.
@@ -111,6 +112,7 @@ class Phase:
     vllm_opts: dict[str, Any] = field(default_factory=dict)
     gen_opts: dict[str, Any] = field(default_factory=dict)
     flow_opts: dict[str, Any] = field(default_factory=dict)
+    run_opts: dict[str, Any] = field(default_factory=dict)
     lever: str = ""  # the lever a `fleet-<w>-<lever>` phase adds (empty: the baseline)
 
 
@@ -121,16 +123,20 @@ class Phase:
 FLEET_GENERATION: dict[str, Any] = {"behaviour_logprobs": "trainer"}
 FLEET_VLLM: dict[str, Any] = {"cudagraph_max_batch": W["prompts_per_step"] * W["group"]}
 
-# lever -> (algo options, vllm options, generation options, flow options) on top of that configuration.
-LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]] = {
+# lever -> (algo options, vllm options, generation options, flow options, run options) on top of that
+# configuration.
+LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     # The configuration of the 2026-12-01 run: vLLM returns each sampled token's log-prob (decoupled PPO's
     # behaviour policy), every CUDA-graph size vLLM captures by default.
-    "lp": ({}, {"cudagraph_max_batch": None}, {"behaviour_logprobs": "engine"}, {}),
+    "lp": ({}, {"cudagraph_max_batch": None}, {"behaviour_logprobs": "engine"}, {}, {}),
     # At 0.5B the chain generate -> reference -> train -> sync paces the step at staleness 1 (2026-12-02:
     # 71% utilization); a batch may then be two versions old, so generation runs one more step ahead.
-    "stale2": ({}, {}, {}, {"max_staleness": 2}),
-    "chunked": ({"logprob_chunk_tokens": 1024}, {}, {}, {}),
-    "eager": ({"compile": False}, {}, {}, {}),
+    "stale2": ({}, {}, {}, {"max_staleness": 2}, {}),
+    "chunked": ({"logprob_chunk_tokens": 1024}, {}, {}, {}, {}),
+    "eager": ({"compile": False}, {}, {}, {}, {}),
+    # At 0.5B generation runs at 60-65% of its speed alone while the GPU idles 40% (2026-12-03): the
+    # processes' kernels time-slice. Under CUDA MPS they run side by side.
+    "mps": ({}, {}, {}, {}, {"cuda_mps": True}),
 }
 # What a CPU dry run can start: no vLLM (its options are refused by the transformers engine) and no
 # inductor (minutes per graph on two cores; tests/unit/test_trainer_levers.py checks compile).
@@ -170,13 +176,14 @@ def phases() -> list[Phase]:
             w = name.split("-")[2]
             out.append(Phase(name, "trl-vllm", w, group, est[f"trl-vllm-{w}" + ("-warm" if "-r" in name else "")]))
     out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
-    lever_group = {"stale2": "peers2", "eager": "levers2"}
-    for lever, (algo_opts, vllm_opts, gen_opts, flow_opts) in LEVERS.items():
+    lever_group = {"stale2": "peers2", "mps": "levers2", "eager": "levers2"}
+    for lever in sorted(LEVERS, key=lambda n: list(lever_group).index(n) if n in lever_group else len(lever_group)):
+        algo_opts, vllm_opts, gen_opts, flow_opts, run_opts = LEVERS[lever]
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", lever_group.get(lever, "levers"),
-                         est["lever"] + {"lp": 45}.get(lever, 0), algo_opts=algo_opts,
-                         vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, lever=lever))
+                         est["lever"] + {"lp": 45}.get(lever, 0), algo_opts=algo_opts, vllm_opts=vllm_opts,
+                         gen_opts=gen_opts, flow_opts=flow_opts, run_opts=run_opts, lever=lever))
     # At 1.5B the trainer is the step (actor_train 4.0 of 4.2 s eagerly at 16:42): compile is its lever.
-    algo_opts, vllm_opts, gen_opts, flow_opts = LEVERS["eager"]
+    algo_opts, vllm_opts, gen_opts, flow_opts, _ = LEVERS["eager"]
     out.append(Phase("fleet-1.5b-eager", "fleet", "1.5b", "levers15", est["fleet-1.5b"], algo_opts=algo_opts,
                      vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, lever="eager"))
     out += [Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 200, algo="ppo"),
@@ -185,7 +192,7 @@ def phases() -> list[Phase]:
     return out
 
 
-DEFAULT_GROUPS = ("1.5b", "0.5b", "peers", "peers2", "levers", "levers2")
+DEFAULT_GROUPS = ("1.5b", "0.5b", "peers", "peers2", "levers2", "levers")
 
 
 def select(spec: str | None) -> list[Phase]:
@@ -437,7 +444,7 @@ def fleet_config(p: Phase, model: Path, port_base: int, dry: bool = DRY) -> dict
         algo_opts, vllm_opts, gen_opts = dict(DRY_LEVERS), {}, dict(FLEET_GENERATION)
     return {
         "run": {"name": p.name.replace("-", "_").replace(".", "_"), "dir": str(WORK / p.name), "seed": 0,
-                "max_steps": W["warmup"] + W["steps"] + 1},
+                "max_steps": W["warmup"] + W["steps"] + 1, **({} if dry else p.run_opts)},
         "task": {"name": "synthetic", "eval_size": 0,
                  "params": {"prompt_tokens": W["prompt_tokens"], "completion_tokens": W["completion_tokens"],
                             "words": SHAPES[p.workload]["vocab_size"] - N_SPECIAL}},

@@ -41,6 +41,7 @@ LEVER_LABEL = {"lp": "vLLM's per-token log-probs and default CUDA-graph sizes (`
                      " engine`; the configuration of 2026-12-01)",
                "stale2": "a batch up to two versions old (`flow.max_staleness: 2`)",
                "chunked": "chunked log-probs (`algo.logprob_chunk_tokens: 1024`)",
+               "mps": "CUDA MPS: the services' kernels side by side on the GPU (`run.cuda_mps`)",
                "eager": "no torch.compile of the trainer's and the reference's layers and log-prob steps"
                         " (`algo.compile: false`; the configuration before 2026-12-03)"}
 EXTRA_LABEL = {"trl-0.5b": "TRL GRPOTrainer (`model.generate`)", "fleet-0.5b-ppo": "rlfleet PPO + critic",

@@ -203,7 +203,7 @@ def test_every_group_fits_one_device_call_and_the_target_rows_come_first() -> No
     assert proc.returncode == 0, proc.stderr
     groups = [line for line in proc.stdout.splitlines() if "group " in line]
     names = [g.split("group ")[1].split(":")[0] for g in groups]
-    assert names == ["1.5b", "0.5b", "peers", "peers2", "levers", "levers2"]
+    assert names == ["1.5b", "0.5b", "peers", "peers2", "levers2", "levers"]
     minutes = [float(g.split("~")[1].split(" min")[0]) for g in groups]
     assert all(m < 9.7 for m in minutes), minutes  # a call is 10 min, start and transfers included
 
@@ -221,6 +221,10 @@ def test_the_fleet_repeats_run_rlfleets_configuration_and_the_lp_lever_takes_it_
     (stale2,) = select("fleet-0.5b-stale2")
     assert fleet_config(stale2, Path("/m"), 0, dry=False)["flow"]["max_staleness"] == 2
     assert fleet_config(rep1, Path("/m"), 0, dry=False)["flow"]["max_staleness"] == 1
+    (mps,) = select("fleet-0.5b-mps")
+    assert fleet_config(mps, Path("/m"), 0, dry=False)["run"]["cuda_mps"] is True
+    assert "cuda_mps" not in fleet_config(rep1, Path("/m"), 0, dry=False)["run"]
+    assert select("levers2")[0] == mps  # the pacing stage's lever at 0.5B before the others
 
 
 def test_each_framework_compiles_into_caches_of_its_own_and_its_later_launches_reuse_them() -> None:
