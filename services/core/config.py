@@ -20,6 +20,7 @@ from services.core.config_algo import ALGO_DEFAULTS, GROUP_ALGOS, AlgoName, Algo
 from services.core.config_base import ConfigError, RunCannotContinue
 from services.core.config_base import Strict as _Strict
 from services.core.config_trackers import TrackerSpec
+from services.core.config_vllm import VLLMOptions
 from services.core.config_workload import (
     BUILTIN_TASKS,
     FILE_SOURCES,
@@ -79,32 +80,6 @@ class RunSection(_Strict):
     the kernels of services sharing a GPU then run side by side instead of time-slicing (engine decode
     beside the trainer's step). Needs `nvidia-cuda-mps-control` on the host and a service on a CUDA
     device; not for docker compose or Kubernetes, whose containers would have to share the daemon."""
-
-
-class VLLMOptions(_Strict):
-    # The engine shares its GPU with the trainer when colocated: leave room for it.
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.35
-    enforce_eager: bool = False
-    max_model_len: Annotated[int, Field(ge=16)] | None = None
-    cudagraph_max_batch: Annotated[int, Field(ge=1)] | None = None
-    """Capture CUDA graphs only for decode batches up to this many sequences (vLLM's own sizes up to it,
-    plus this one): set it to the sequences a step generates to skip capturing sizes the run never
-    uses. null: vLLM's default sizes."""
-    compile_cache_dir: str | None = None
-    """vLLM's compile cache (torch.compile artefacts), kept across restarts; a relative path is taken
-    under run.dir. null: vLLM's default (~/.cache/vllm)."""
-
-    def engine_options(self, run_dir: Path | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"gpu_memory_utilization": self.gpu_memory_utilization,
-                               "enforce_eager": self.enforce_eager}
-        if self.max_model_len is not None:
-            out["max_model_len"] = self.max_model_len
-        if self.cudagraph_max_batch is not None:
-            out["cudagraph_max_batch"] = self.cudagraph_max_batch
-        if self.compile_cache_dir is not None:
-            cache = Path(self.compile_cache_dir)
-            out["compile_cache_dir"] = str(cache if cache.is_absolute() or run_dir is None else run_dir / cache)
-        return out
 
 
 class GenerationSection(_Strict):

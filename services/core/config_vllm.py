@@ -1,0 +1,36 @@
+"""The vLLM engine's options (`generation.vllm`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from services.core.config_base import Strict as _Strict
+
+
+class VLLMOptions(_Strict):
+    # The engine shares its GPU with the trainer when colocated: leave room for it.
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.35
+    enforce_eager: bool = False
+    max_model_len: Annotated[int, Field(ge=16)] | None = None
+    cudagraph_max_batch: Annotated[int, Field(ge=1)] | None = None
+    """Capture CUDA graphs only for decode batches up to this many sequences (vLLM's own sizes up to it,
+    plus this one): set it to the sequences a step generates to skip capturing sizes the run never
+    uses. null: vLLM's default sizes."""
+    compile_cache_dir: str | None = None
+    """vLLM's compile cache (torch.compile artefacts), kept across restarts; a relative path is taken
+    under run.dir. null: vLLM's default (~/.cache/vllm)."""
+
+    def engine_options(self, run_dir: Path | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"gpu_memory_utilization": self.gpu_memory_utilization,
+                               "enforce_eager": self.enforce_eager}
+        if self.max_model_len is not None:
+            out["max_model_len"] = self.max_model_len
+        if self.cudagraph_max_batch is not None:
+            out["cudagraph_max_batch"] = self.cudagraph_max_batch
+        if self.compile_cache_dir is not None:
+            cache = Path(self.compile_cache_dir)
+            out["compile_cache_dir"] = str(cache if cache.is_absolute() or run_dir is None else run_dir / cache)
+        return out
