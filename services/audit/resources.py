@@ -122,7 +122,7 @@ class ResourceLedger:
         c5 = self.c[5]
         if self.in_flight_excess_count:
             if log_behind_journal:
-                # Lost trained/dead events keep tasks "in flight" in the replay; do not blame admission.
+                # Lost trained/dead/dropped events keep tasks "in flight" in the replay; do not blame admission.
                 warnings.append(
                     f"in flight replayed from events exceeded the ceiling {self.lim.in_flight_ceiling}"
                     f" {self.in_flight_excess_count} times, but the log misses terminal events the journal has,"

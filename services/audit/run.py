@@ -167,6 +167,8 @@ def _audit(run_dir: Path, lim: Limits, j: Journal, warnings: list[str], finished
     n_event_ids = len(p.tasks.event_ids)  # before the scan consumes them
     scan = scan_journal(j, p.tasks, checks, finished, warnings, p.drops)
     p.drops.finish(j)
+    if p.drops.missing_events:
+        warnings.append(f"{p.drops.missing_events} dropped journal task(s) have no dropped event")
     tasks_by_state = _journal_tallies(j, scan, checks, finished, n_event_ids, warnings)
     checks[2].stats["trained tasks (journal)"] = tasks_by_state["trained"]
     checks[2].stats["tasks in trained events"] = p.tasks.trained_ids
@@ -174,7 +176,8 @@ def _audit(run_dir: Path, lim: Limits, j: Journal, warnings: list[str], finished
     p.versions.check_steps(scan.journal_step, scan.trained_steps, warnings)
     p.versions.check_versions(j.versions)
     p.versions.check_replay(j, scan.journal_step, warnings)
-    p.resources.finish(bool(scan.missing_trained_event or scan.missing_dead_event), warnings)
+    p.resources.finish(bool(scan.missing_trained_event or scan.missing_dead_event or p.drops.missing_events),
+                       warnings)
 
     return AuditReport(
         run_dir=run_dir,

@@ -462,6 +462,22 @@ def test_lost_events_after_a_crash_are_warnings_not_violations(run: Run) -> None
     assert any("no trained event" in w for w in report.warnings)
 
 
+def test_a_drop_journaled_but_not_logged_before_a_crash_does_not_count_as_in_flight(run: Run) -> None:
+    # Two steps' worth in flight (the window); one group is dropped in the journal, the controller
+    # dies before its event, and the replacement admits one more group in the freed room.
+    first, second = run.admit(), run.admit()
+    for ids in (first, second):
+        run.generate(ids)
+        run.score(ids)
+    run.journal.mark_dropped(first[:GROUP], "surplus: its step was full", step=MAX_STALENESS + 1, kind="surplus")
+    run.admit(1)
+    report = run.audit(finished=False)
+    assert report.ok, report.render()
+    assert report.check(5).stats["max in flight"] == f"{CEILING + GROUP} (ceiling {CEILING})"
+    assert f"{GROUP} dropped journal task(s) have no dropped event" in report.warnings
+    assert any("the log misses terminal events the journal has" in w for w in report.warnings)
+
+
 def test_replay_batch_missing_after_the_oldest_checkpoint_fails(tmp_path: Path) -> None:
     r = Run(tmp_path, max_steps=10)
     r.full_step()
