@@ -298,6 +298,14 @@ def warm_up_compiled(role: str, warm_up: Callable[[], bool]) -> None:
                           f" the model eagerly") from err
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far: a step that adds to it recompiled, which
+    costs seconds on a GPU (a shape or input the warm-up did not cover)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def compile_decoder(model: nn.Module, backend: str = COMPILE_BACKEND) -> nn.Module:
     """torch.compile the transformer body of `model` in place (the module its forward and the chunked
     path both call), keeping parameter names, so state dicts and weight syncs are unchanged.
@@ -306,6 +314,13 @@ def compile_decoder(model: nn.Module, backend: str = COMPILE_BACKEND) -> nn.Modu
     and reuses it for every layer (its parameters are inputs, not constants), so a 28-layer model
     compiles in the time of one layer instead of 28 (PyTorch's regional compilation recipe); embedding
     and final norm stay eager, a few small kernels per forward."""
+    import torch._dynamo.config as dynamo_config
+
+    # A block's code gets a graph per grad mode (training; no-grad proximal and reference passes), per
+    # mask (padded, unpadded) and per size (first shapes, dynamic, one row): 10 in a trainer that runs
+    # the proximal forward, past Dynamo's default limit of 8, beyond which it runs the block eagerly
+    # without a word. Frozen and trainable weights of one process (tests) take graphs of their own too.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 32)
     parts = split_head(model)
     target = parts[0] if parts is not None else model
     blocks = repeated_blocks(target)

@@ -11,7 +11,7 @@ from torch import nn
 
 from services.core.config import AlgoSection, BehaviourLogprobs
 from services.models.critic import ValueModel
-from services.models.logprobs import COMPILE_BACKEND, compile_decoder, response_logprobs, wants_compile
+from services.models.logprobs import COMPILE_BACKEND, compile_decoder, compiled_graphs, response_logprobs, wants_compile
 from services.rl.batch import Rollout
 from services.rl.losses import aggregate, kl_loss, policy_loss, value_loss
 from services.rl.micro import MicroBatch, part_of, plan, score_rows
@@ -141,6 +141,7 @@ class PolicyTrainer:
         if r.advantages is None:
             raise ValueError("train_step needs advantages: run compute_advantages first")
         algo = self.algo
+        graphs = compiled_graphs() if self.compile_backend is not None else 0
         self.model.train()
         # Off-policy rows (generated under an older version) are clipped against the proximal policy,
         # i.e. the weights right before this step, and weighted by proximal/behaviour (decoupled PPO).
@@ -209,6 +210,8 @@ class PolicyTrainer:
         out = _mean(acc)
         out["off_policy"] = float(off_policy)
         out["proximal_forward"] = float(proximal_forward)
+        if self.compile_backend is not None:
+            out["compiles"] = float(compiled_graphs() - graphs)
         return out
 
 

@@ -169,7 +169,9 @@ def test_the_warm_up_compiles_every_graph_the_first_steps_run(monkeypatch: pytes
     backend = _CountingBackend()
     monkeypatch.setattr(trainer_mod, "COMPILE_BACKEND", backend)
     monkeypatch.setattr(scorer_mod, "COMPILE_BACKEND", backend)
-    # Micro-batches of 4 rows and of the remainder 2, minibatches of 3 (the weights move within the
+    # Past its recompile limit Dynamo runs a block eagerly, compiling nothing: an error here instead.
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    # Minibatches of 3 rows in micro-batches of 2 and the remainder 1 (the weights move within the
     # batch, so the no-grad proximal forward runs too): other shapes than the warm-up's.
     algo = AlgoSection(name="grpo", minibatch_size=3, micro_batch_size=2, kl_coef=0.1, kl_in="loss",
                        entropy_coef=0.01, compile=True)
@@ -183,10 +185,16 @@ def test_the_warm_up_compiles_every_graph_the_first_steps_run(monkeypatch: pytes
     assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters(), strict=True))  # no step taken
     assert not t.model.training
     built = backend.graphs
-    r = _rollout()
-    r.ref_logprobs = ref.score(r)
-    for step in range(2):
-        t.train_step(r, step=step, current_version=1)
+    ragged = _rollout()
+    # Equal prompts, every response at full length: no padding at all, so no attention mask reaches
+    # the decoder layers (a graph of its own), as in a synthetic benchmark's first steps.
+    full = _rollout()
+    full.prompt_mask = torch.ones_like(full.prompt_mask)
+    full.response_mask = torch.ones_like(full.response_mask)
+    for step, r in enumerate((full, ragged, full)):
+        r.ref_logprobs = ref.score(r)
+        stats = t.train_step(r, step=step, current_version=1)
+        assert stats["compiles"] == 0, step
     assert backend.graphs == built  # the steps ran compiled code only
 
 
