@@ -306,6 +306,16 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compiles_since(role: str, before: int, t0: float) -> int:
+    """Graphs compiled since `compiled_graphs()` was `before` (at `time.perf_counter()` `t0`), logged
+    when there are any: their seconds land in a step after the warm-up."""
+    n = compiled_graphs() - before
+    if n:
+        log.info("compiled during a step", extra={"role": role, "graphs": n,
+                                                  "seconds": round(time.perf_counter() - t0, 1)})
+    return n
+
+
 def compile_decoder(model: nn.Module, backend: str = COMPILE_BACKEND) -> nn.Module:
     """torch.compile the transformer body of `model` in place (the module its forward and the chunked
     path both call), keeping parameter names, so state dicts and weight syncs are unchanged.

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from services.models.logprobs import COMPILE_BACKEND, compile_decoder, response_logprobs, wants_compile
+from services.models.logprobs import (
+    COMPILE_BACKEND,
+    compile_decoder,
+    compiled_graphs,
+    compiles_since,
+    response_logprobs,
+    wants_compile,
+)
 from services.rl.batch import Rollout
 from services.rl.micro import score_rows
 from services.rl.packing import packed_logprobs
@@ -27,6 +35,7 @@ class ReferenceScorer:
         self.chunk_tokens = chunk_tokens
         self.device = next(model.parameters()).device
         self.compile_backend = COMPILE_BACKEND if wants_compile(compile, self.device) else None
+        self.warming = False  # compiles in the warm-up are its purpose, not news
         if self.compile_backend is not None:
             compile_decoder(self.model, self.compile_backend)
 
@@ -35,8 +44,12 @@ class ReferenceScorer:
         without compile."""
         if self.compile_backend is None:
             return False
-        for r in warm_up_rollouts(int(cast(Any, self.model).config.vocab_size)):
-            self.score(r)
+        self.warming = True
+        try:
+            for r in warm_up_rollouts(int(cast(Any, self.model).config.vocab_size)):
+                self.score(r)
+        finally:
+            self.warming = False
         return True
 
     def _plain(self, mb: Rollout) -> torch.Tensor:
@@ -51,5 +64,9 @@ class ReferenceScorer:
 
     @torch.no_grad()
     def score(self, r: Rollout) -> torch.Tensor:
-        return score_rows(r, self.device, self._plain, self._packed, size=self.micro_batch,
-                          tokens=self.micro_tokens, pack=self.pack)
+        graphs, t0 = (compiled_graphs() if self.compile_backend is not None else 0), time.perf_counter()
+        out = score_rows(r, self.device, self._plain, self._packed, size=self.micro_batch,
+                         tokens=self.micro_tokens, pack=self.pack)
+        if self.compile_backend is not None and not self.warming:
+            compiles_since("reference", graphs, t0)
+        return out

@@ -3,6 +3,7 @@ critic services and the local loop all train through these two classes."""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -11,7 +12,14 @@ from torch import nn
 
 from services.core.config import AlgoSection, BehaviourLogprobs
 from services.models.critic import ValueModel
-from services.models.logprobs import COMPILE_BACKEND, compile_decoder, compiled_graphs, response_logprobs, wants_compile
+from services.models.logprobs import (
+    COMPILE_BACKEND,
+    compile_decoder,
+    compiled_graphs,
+    compiles_since,
+    response_logprobs,
+    wants_compile,
+)
 from services.rl.batch import Rollout
 from services.rl.losses import aggregate, kl_loss, policy_loss, value_loss
 from services.rl.micro import MicroBatch, part_of, plan, score_rows
@@ -141,7 +149,7 @@ class PolicyTrainer:
         if r.advantages is None:
             raise ValueError("train_step needs advantages: run compute_advantages first")
         algo = self.algo
-        graphs = compiled_graphs() if self.compile_backend is not None else 0
+        graphs, t0 = (compiled_graphs() if self.compile_backend is not None else 0), time.perf_counter()
         self.model.train()
         # Off-policy rows (generated under an older version) are clipped against the proximal policy,
         # i.e. the weights right before this step, and weighted by proximal/behaviour (decoupled PPO).
@@ -211,7 +219,7 @@ class PolicyTrainer:
         out["off_policy"] = float(off_policy)
         out["proximal_forward"] = float(proximal_forward)
         if self.compile_backend is not None:
-            out["compiles"] = float(compiled_graphs() - graphs)
+            out["compiles"] = float(compiles_since("actor", graphs, t0))
         return out
 
 

@@ -4,6 +4,7 @@ chunked log-probs, the fused AdamW (the default) or a compiled decoder moves the
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -215,3 +216,20 @@ def test_a_compile_failure_in_the_warm_up_is_a_config_error_naming_the_way_out(
     with pytest.raises(ZeroDivisionError):  # anything else is not a compile failure: it propagates as is
         warm_up_compiled("reference", lambda: bool(1 / 0))
     assert not ReferenceScorer(_model(), temperature=0.9).warm_up()  # nothing to compile: nothing done
+
+
+def test_a_step_that_compiles_says_so_in_its_row_and_its_log(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import services.rl.trainer as trainer_mod
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(trainer_mod, "COMPILE_BACKEND", _CountingBackend())
+    algo = AlgoSection(name="grpo", minibatch_size=6, micro_batch_size=6, compile=True)
+    t = PolicyTrainer(_model(), algo, temperature=0.9)  # no warm-up: the first step compiles
+    with caplog.at_level(logging.INFO, logger="services.models.logprobs"):
+        first = t.train_step(_rollout(), step=0, current_version=0)
+    assert first["compiles"] > 0
+    assert any(r.getMessage() == "compiled during a step" and r.__dict__["role"] == "actor" for r in caplog.records)
+    assert t.train_step(_rollout(), step=1, current_version=0)["compiles"] == 0
+    eager = PolicyTrainer(_model(), AlgoSection(name="grpo", minibatch_size=6, compile=False), temperature=0.9)
+    assert "compiles" not in eager.train_step(_rollout(), step=0, current_version=0)
