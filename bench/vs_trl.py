@@ -547,7 +547,10 @@ def phase_fleet(p: Phase, cap: float, gpu: GpuSampler, port_base: int) -> dict[s
                response_len=statistics.median(float(r.get("response_len_mean", W["completion_tokens"]))
                                               for r in steady),
                stages=stages, generate_tokens_per_s=(tokens / gen_s) if gen_s else None,
-               gpu_util=mean_util(gpu.between(w0, w1)))
+               gpu_util=mean_util(gpu.between(w0, w1)),
+               # Steps in which the trainer compiled graphs (algo.compile), step -> graphs: seconds a
+               # measured step spends compiling are a warm-up gap, not the trainer's speed.
+               compiled_in_steps={int(r["step"]): int(r["compiles"]) for r in rows if r.get("compiles")})
     return res
 
 
