@@ -119,9 +119,11 @@ class Phase:
 # rlfleet's configuration for this workload (every fleet phase but a lever's own change): the trainer's
 # proximal log-probs score every batch instead of vLLM's per-token log-prob output, which cost ~40% of its
 # decode throughput on 2026-12-01 (generation.behaviour_logprobs); CUDA graphs only up to the sequences
-# of one step (vLLM's default captures up to 512, twice the batch this workload ever decodes).
+# of one step (vLLM's default captures up to 512, twice the batch this workload ever decodes); a fixed
+# KV cache, so that vLLM skips its memory profiling and the actor builds and compiles its trainer while
+# the engine starts (a step's 256 sequences at max_model_len 512 need 1.5 GiB at 0.5B, 3.5 GiB at 1.5B).
 FLEET_GENERATION: dict[str, Any] = {"behaviour_logprobs": "trainer"}
-FLEET_VLLM: dict[str, Any] = {"cudagraph_max_batch": W["prompts_per_step"] * W["group"]}
+FLEET_VLLM: dict[str, Any] = {"cudagraph_max_batch": W["prompts_per_step"] * W["group"], "kv_cache_gib": 8}
 
 # lever -> (algo options, vllm options, generation options, flow options, run options) on top of that
 # configuration.

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import replace
 from functools import partial
@@ -38,7 +39,7 @@ from services.dist.build import build_model, build_trainer
 from services.dist.group import RankGauges, RankGroup
 from services.dist.nodes import world_size
 from services.dist.protocol import RankError
-from services.models.engine import EngineError, SamplingParams, completions_to_rollout
+from services.models.engine import EngineError, GenerationEngine, SamplingParams, completions_to_rollout
 from services.models.factory import make_engine
 from services.models.loading import load_tokenizer
 from services.models.logprobs import warm_up_compiled
@@ -55,17 +56,21 @@ class Actor:
         self.cfg = cfg
         path = Path(cfg.models.policy.path)
         self.tokenizer = load_tokenizer(path)
-        # The engine first: its start is the longest (vLLM's compile and memory profiling), it may
-        # already be under way (services.models.engine_boot), and vLLM's profiling must not count the
-        # trainer's allocations as its own.
-        self.engine = make_engine(cfg.generation.engine, path,
-                                  dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
-                                  **cfg.generation.engine_kwargs(cfg.run_dir))
-        try:
-            self._build_trainer(cfg)
-        except BaseException:
-            self.engine.close()
-            raise
+        self.compiled = False  # the trainer's warm-up ran (`compile_trainer`)
+        engine_kw = dict(dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
+                         **cfg.generation.engine_kwargs(cfg.run_dir))
+        if cfg.generation.starts_beside_trainer(os.environ):
+            self.engine = self._start_beside_trainer(cfg, path, engine_kw)
+        else:
+            # The engine first: its start is the longest (vLLM's compile and memory profiling), it may
+            # already be under way (services.models.engine_boot), and vLLM's profiling must not count
+            # the trainer's allocations as its own.
+            self.engine = make_engine(cfg.generation.engine, path, **engine_kw)
+            try:
+                self._build_trainer(cfg)
+            except BaseException:
+                self.engine.close()
+                raise
         self.t = Trainable(cfg, "actor", self.policy, self.trainer.opt, limits=self.limits, ranks=self.ranks)
         if self.t.restore():
             self.sync_engine(self.t.version)
@@ -83,6 +88,29 @@ class Actor:
         self.warm: asyncio.Task[None] | None = None  # the trainer's compile (`warming`)
         self.held = False  # backpressure state
         self.fill = 0.0
+
+    def _start_beside_trainer(self, cfg: RunConfig, path: Path, engine_kw: dict[str, Any]) -> GenerationEngine:
+        """Start the engine (its process, where vLLM compiles and captures its graphs) while this thread
+        builds the trainer and compiles it: the two start-ups overlap instead of adding up. Either
+        failing fails the actor; the engine's process is a daemon and goes with it."""
+        box: dict[str, Any] = {}
+
+        def start() -> None:
+            try:
+                box["engine"] = make_engine(cfg.generation.engine, path, **engine_kw)
+            except BaseException as e:  # re-raised on the main thread below
+                box["error"] = e
+
+        thread = threading.Thread(target=start, name="engine-start", daemon=True)
+        thread.start()
+        t0 = time.perf_counter()
+        self._build_trainer(cfg)
+        self.compile_trainer()
+        log.info("trainer built while the engine starts", extra={"seconds": round(time.perf_counter() - t0, 1)})
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return cast(GenerationEngine, box["engine"])
 
     def _build_trainer(self, cfg: RunConfig) -> None:
         # Several trainer ranks: this process is rank 0 of a group it starts here, on the main
@@ -287,13 +315,19 @@ class Actor:
         return res
 
     async def warm_up(self) -> None:
-        """The trainer's compile (`algo.compile`) in the background: it overlaps the first generation
-        and scoring instead of lengthening the first step. One rank only: on several, a warm-up would
-        have to run every rank's collectives (they compile in their first step)."""
-        if self.ranks is not None:
-            return
-        proximal = self.trainer.weights_move_within(self.cfg.samples_per_step)
-        await asyncio.to_thread(warm_up_compiled, "actor", partial(self.trainer.warm_up, self.vocab, proximal))
+        """The trainer's compile (`algo.compile`) in the background, unless it ran while the engine
+        started: it overlaps the first generation and scoring instead of lengthening the first step.
+        One rank only: on several, a warm-up would have to run every rank's collectives (they
+        compile in their first step)."""
+        if not self.compiled:
+            await asyncio.to_thread(self.compile_trainer)
+
+    def compile_trainer(self) -> None:
+        """The trainer's warm-up (`PolicyTrainer.warm_up`), once; a compile failure is a ConfigError."""
+        if self.ranks is None:
+            proximal = self.trainer.weights_move_within(self.cfg.samples_per_step)
+            warm_up_compiled("actor", partial(self.trainer.warm_up, self.vocab, proximal))
+        self.compiled = True
 
     def warming(self) -> asyncio.Task[None]:
         """The warm-up task, started by whichever comes first: main() or a call that needs it."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -149,6 +150,14 @@ class GenerationSection(_Strict):
 
     def engine_dtype(self, policy_dtype: str) -> str:
         return self.dtype or policy_dtype
+
+    def starts_beside_trainer(self, env: Mapping[str, str]) -> bool:
+        """Whether the actor may build its trainer while its engine process starts: not while vLLM
+        profiles the GPU's free memory (`vllm.kv_cache_gib`, or RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES in
+        `env`, skips that), and only for one engine process (in the actor's, both would share it)."""
+        profiles = self.engine == "vllm" and self.vllm.kv_cache_gib is None and \
+            not env.get("RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES")
+        return self.process and self.replicas == 1 and not profiles
 
     def engine_kwargs(self, run_dir: Path | None = None) -> dict[str, Any]:
         """Keyword arguments for `services.models.factory.make_engine`; `run_dir` anchors relative paths."""

@@ -23,9 +23,18 @@ class VLLMOptions(_Strict):
     """vLLM's compile cache (torch.compile artefacts), kept across restarts; a relative path is taken
     under run.dir. null: vLLM's default (~/.cache/vllm)."""
 
+    kv_cache_gib: Annotated[float, Field(gt=0)] | None = None
+    """The KV cache's size, fixed, instead of what vLLM's memory profiling leaves of
+    gpu_memory_utilization. The profiling reads the GPU's free memory, so another process allocating
+    meanwhile (the trainer, the reference) would shrink or break it; with a fixed size the actor builds
+    and compiles its trainer while its engine process starts. It must hold a step's sequences at
+    max_model_len (vLLM refuses to start otherwise). null: profile."""
+
     def engine_options(self, run_dir: Path | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"gpu_memory_utilization": self.gpu_memory_utilization,
                                "enforce_eager": self.enforce_eager}
+        if self.kv_cache_gib is not None:
+            out["kv_cache_memory_bytes"] = int(self.kv_cache_gib * 2**30)
         if self.max_model_len is not None:
             out["max_model_len"] = self.max_model_len
         if self.cudagraph_max_batch is not None:

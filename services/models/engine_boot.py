@@ -14,7 +14,9 @@ that gets its weights by CUDA IPC (or on the CPU) starts early: replicas, tensor
 collective weight transfers keep their own start, which needs torch in this process.
 
 The actor waits for the engine before it loads the trainer's model (`services.actor.server`), so vLLM's
-memory profiling does not count the trainer's first allocations as its own.
+memory profiling does not count the trainer's first allocations as its own; where nothing profiles
+(`GenerationSection.starts_beside_trainer`: a fixed `generation.vllm.kv_cache_gib`, or another engine)
+it builds and compiles the trainer while the engine starts.
 """
 
 from __future__ import annotations

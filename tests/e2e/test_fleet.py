@@ -48,7 +48,8 @@ def test_engine_in_its_own_process_learns_exactly_like_the_in_process_engine(
     tmp_path: Path, tiny_model: Path, fleet_factory
 ) -> None:
     """generation.process: the actor's engine runs in a child process (weights by shared memory) and
-    the run is step for step the single-process loop's; the child is one more process of the actor."""
+    the run is step for step the single-process loop's; the child is one more process of the actor.
+    Nothing profiles memory there (the transformers engine), so the trainer is built while it starts."""
     steps = 3
     run_local(tiny_config(tmp_path / "local", tiny_model, run={"max_steps": steps}))
     cfg = tiny_config(tmp_path / "fleet", tiny_model, run={"max_steps": steps}, generation={"process": True})
@@ -58,6 +59,7 @@ def test_engine_in_its_own_process_learns_exactly_like_the_in_process_engine(
     children = Path(f"/proc/{actor}/task/{actor}/children").read_text().split()
     assert children, "the actor started no engine process"
     assert fleet.supervise(timeout_s=240) == 0
+    assert "trainer built while the engine starts" in (cfg.run_dir / "logs" / "actor.log").read_text()
     for a, b in zip(_rows(tmp_path / "local"), _rows(tmp_path / "fleet"), strict=True):
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6)
         assert b["kl"] == pytest.approx(a["kl"], abs=1e-4)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from services.core.config import ConfigError, load_config, parse_config
+from services.core.config import ConfigError, GenerationSection, load_config, parse_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -106,3 +106,20 @@ def test_gguf_file_takes_environment_variables_and_an_unset_one_is_named(monkeyp
     unset = r"models\.policy\.gguf_file.*environment variable RLF_GGUF_DIR, which is not set"
     with pytest.raises(ConfigError, match=unset):
         parse_config({"models": {"policy": {"gguf_file": "${RLF_GGUF_DIR}/m.gguf"}}})
+
+
+def test_the_trainer_is_built_beside_the_engine_only_where_nothing_profiles_free_memory() -> None:
+    def gen(**kw: object) -> GenerationSection:
+        return parse_config({"generation": kw}).generation
+
+    vllm = {"engine": "vllm", "device": "cuda", "process": True}
+    assert not gen(**vllm).starts_beside_trainer({})  # vLLM profiles the GPU's free memory at start
+    fixed = gen(**vllm, vllm={"kv_cache_gib": 4.5})
+    assert fixed.starts_beside_trainer({})
+    assert fixed.engine_kwargs()["kv_cache_memory_bytes"] == int(4.5 * 2**30)
+    assert gen(**vllm).starts_beside_trainer({"RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES": "1e9"})
+    assert gen(process=True).starts_beside_trainer({})  # the transformers engine never profiles
+    assert not gen(process=False).starts_beside_trainer({})  # one process: the trainer after the engine
+    assert "kv_cache_memory_bytes" not in gen(**vllm).engine_kwargs()
+    with pytest.raises(ConfigError, match="kv_cache_gib"):
+        gen(**vllm, vllm={"kv_cache_gib": 0})
