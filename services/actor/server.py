@@ -92,20 +92,36 @@ class Actor:
     def _start_beside_trainer(self, cfg: RunConfig, path: Path, engine_kw: dict[str, Any]) -> GenerationEngine:
         """Start the engine (its process, where vLLM compiles and captures its graphs) while this thread
         builds the trainer and compiles it: the two start-ups overlap instead of adding up. Either
-        failing fails the actor; the engine's process is a daemon and goes with it."""
+        failing fails the actor; a trainer that fails first leaves the engine to be closed as soon as
+        it is up (its process is a daemon besides, and goes with the actor's)."""
         box: dict[str, Any] = {}
+        lock = threading.Lock()
 
         def start() -> None:
             try:
-                box["engine"] = make_engine(cfg.generation.engine, path, **engine_kw)
+                engine = make_engine(cfg.generation.engine, path, **engine_kw)
             except BaseException as e:  # re-raised on the main thread below
                 box["error"] = e
+                return
+            with lock:
+                if "abandoned" not in box:
+                    box["engine"] = engine
+                    return
+            engine.close()
 
         thread = threading.Thread(target=start, name="engine-start", daemon=True)
         thread.start()
         t0 = time.perf_counter()
-        self._build_trainer(cfg)
-        self.compile_trainer()
+        try:
+            self._build_trainer(cfg)
+            self.compile_trainer()
+        except BaseException:
+            with lock:
+                box["abandoned"] = True
+                started = box.pop("engine", None)
+            if started is not None:
+                started.close()
+            raise
         log.info("trainer built while the engine starts", extra={"seconds": round(time.perf_counter() - t0, 1)})
         thread.join()
         if "error" in box:
