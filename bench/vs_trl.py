@@ -16,7 +16,7 @@ device call of at most 10 minutes (`plan` prints the estimates, seconds measured
 2026-12-02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
 repeats, vLLM alone, trainer and reference alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM,
 both workloads, and a second run at 0.5B), `peers2` (TRL with vLLM's other repeats, TRL with generate,
-then the `stale2` lever); `levers2` (`mps`, then `eager`) and `levers` (`lp`, the 0.5B fleet with vLLM's
+then the `mps` lever); `levers2` (`stale2`, then `eager`) and `levers` (`lp`, the 0.5B fleet with vLLM's
 log-prob output, then `chunked`) get what is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
@@ -158,9 +158,10 @@ def phases() -> list[Phase]:
     # the 1.5B repeats and the 0.5B repeats, each with vLLM, the trainer and the reference alone after
     # them (vLLM loads the graphs they compiled), then TRL with vLLM, whose runs vary by a third (38.8 to
     # 54.2 samples/s at 0.5B at 16:42): a first run of each shape and a second at 0.5B, then `peers2` with
-    # the rest of its repeats, TRL with `generate` (the second peer row) and `stale2`, the lever of the
-    # pacing stage at 0.5B (generation: one more step ahead of training), which the four calls of the
-    # 16:42 run left time for.
+    # the rest of its repeats, TRL with `generate` (the second peer row) and `mps`, the lever of the
+    # pacing stage at 0.5B (generation, slowed by time-slicing the GPU with the trainer's process:
+    # 2.2-2.4 s a step against 1.5 s alone, at 56-61% utilization in the 2026-12-03 levers run), which
+    # the four calls of the 16:42 run left time for; `stale2` (+11% eager then) moved to `levers2`.
     est = {"fleet-1.5b-r1": 170, "fleet-1.5b": 115, "vllm-alone-1.5b": 65, "train-alone-1.5b": 60,
            "fleet-0.5b-r1": 120, "fleet-0.5b": 100, "vllm-alone-0.5b": 55, "train-alone-0.5b": 45,
            "trl-vllm-1.5b": 170, "trl-vllm-1.5b-warm": 100, "trl-vllm-0.5b": 105, "trl-vllm-0.5b-warm": 90,
@@ -178,7 +179,7 @@ def phases() -> list[Phase]:
             w = name.split("-")[2]
             out.append(Phase(name, "trl-vllm", w, group, est[f"trl-vllm-{w}" + ("-warm" if "-r" in name else "")]))
     out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
-    lever_group = {"stale2": "peers2", "mps": "levers2", "eager": "levers2"}
+    lever_group = {"mps": "peers2", "stale2": "levers2", "eager": "levers2"}
     for lever in sorted(LEVERS, key=lambda n: list(lever_group).index(n) if n in lever_group else len(lever_group)):
         algo_opts, vllm_opts, gen_opts, flow_opts, run_opts = LEVERS[lever]
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", lever_group.get(lever, "levers"),
