@@ -306,14 +306,19 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def compiles_since(role: str, before: int, t0: float) -> int:
-    """Graphs compiled since `compiled_graphs()` was `before` (at `time.perf_counter()` `t0`), logged
-    when there are any: their seconds land in a step after the warm-up."""
-    n = compiled_graphs() - before
-    if n:
-        log.info("compiled during a step", extra={"role": role, "graphs": n,
-                                                  "seconds": round(time.perf_counter() - t0, 1)})
-    return n
+class CompileCount:
+    """The graphs torch.compile builds in this process from now on: `since(role)` says how many, and
+    logs them when there are any (seconds a step spent compiling after the warm-up)."""
+
+    def __init__(self) -> None:
+        self.before, self.t0 = compiled_graphs(), time.perf_counter()
+
+    def since(self, role: str) -> int:
+        n = compiled_graphs() - self.before
+        if n:
+            log.info("compiled during a step", extra={"role": role, "graphs": n,
+                                                      "seconds": round(time.perf_counter() - self.t0, 1)})
+        return n
 
 
 def compile_decoder(model: nn.Module, backend: str = COMPILE_BACKEND) -> nn.Module:

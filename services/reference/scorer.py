@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from services.models.logprobs import (
-    COMPILE_BACKEND,
-    compile_decoder,
-    compiled_graphs,
-    compiles_since,
-    response_logprobs,
-    wants_compile,
-)
+from services.models.logprobs import COMPILE_BACKEND, CompileCount, compile_decoder, response_logprobs, wants_compile
 from services.rl.batch import Rollout
 from services.rl.micro import score_rows
 from services.rl.packing import packed_logprobs
@@ -35,7 +27,6 @@ class ReferenceScorer:
         self.chunk_tokens = chunk_tokens
         self.device = next(model.parameters()).device
         self.compile_backend = COMPILE_BACKEND if wants_compile(compile, self.device) else None
-        self.warming = False  # compiles in the warm-up are its purpose, not news
         if self.compile_backend is not None:
             compile_decoder(self.model, self.compile_backend)
 
@@ -44,12 +35,8 @@ class ReferenceScorer:
         without compile."""
         if self.compile_backend is None:
             return False
-        self.warming = True
-        try:
-            for r in warm_up_rollouts(int(cast(Any, self.model).config.vocab_size)):
-                self.score(r)
-        finally:
-            self.warming = False
+        for r in warm_up_rollouts(int(cast(Any, self.model).config.vocab_size)):
+            self._score(r)  # compiles here are the warm-up's purpose: not counted as news
         return True
 
     def _plain(self, mb: Rollout) -> torch.Tensor:
@@ -62,11 +49,14 @@ class ReferenceScorer:
         return packed_logprobs(self.model, mb, bins, temperature=self.temperature,
                                compile_backend=self.compile_backend)[0]
 
-    @torch.no_grad()
     def score(self, r: Rollout) -> torch.Tensor:
-        graphs, t0 = (compiled_graphs() if self.compile_backend is not None else 0), time.perf_counter()
-        out = score_rows(r, self.device, self._plain, self._packed, size=self.micro_batch,
-                         tokens=self.micro_tokens, pack=self.pack)
-        if self.compile_backend is not None and not self.warming:
-            compiles_since("reference", graphs, t0)
+        compiles = CompileCount() if self.compile_backend is not None else None
+        out = self._score(r)
+        if compiles is not None:
+            compiles.since("reference")
         return out
+
+    @torch.no_grad()
+    def _score(self, r: Rollout) -> torch.Tensor:
+        return score_rows(r, self.device, self._plain, self._packed, size=self.micro_batch,
+                          tokens=self.micro_tokens, pack=self.pack)

@@ -3,7 +3,6 @@ critic services and the local loop all train through these two classes."""
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -12,14 +11,8 @@ from torch import nn
 
 from services.core.config import AlgoSection, BehaviourLogprobs
 from services.models.critic import ValueModel
-from services.models.logprobs import (
-    COMPILE_BACKEND,
-    compile_decoder,
-    compiled_graphs,
-    compiles_since,
-    response_logprobs,
-    wants_compile,
-)
+from services.models.logprobs import COMPILE_BACKEND, CompileCount, compile_decoder, response_logprobs, wants_compile
+from services.models.lora import is_lora
 from services.rl.batch import Rollout
 from services.rl.losses import aggregate, kl_loss, policy_loss, value_loss
 from services.rl.micro import MicroBatch, part_of, plan, score_rows
@@ -92,8 +85,8 @@ class PolicyTrainer:
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         # torch.compile's backend for the decoder's blocks and the vocabulary-sized log-prob steps.
-        lora = hasattr(model, "peft_config")
-        self.compile_backend = COMPILE_BACKEND if wants_compile(algo.compile, self.device, ranks, lora) else None
+        wanted = wants_compile(algo.compile, self.device, ranks, is_lora(model))
+        self.compile_backend = COMPILE_BACKEND if wanted else None
         if self.compile_backend is not None:
             compile_decoder(model, self.compile_backend)
         self.opt = adamw(model, algo.lr, algo.fused_optimizer)
@@ -149,7 +142,7 @@ class PolicyTrainer:
         if r.advantages is None:
             raise ValueError("train_step needs advantages: run compute_advantages first")
         algo = self.algo
-        graphs, t0 = (compiled_graphs() if self.compile_backend is not None else 0), time.perf_counter()
+        compiles = CompileCount() if self.compile_backend is not None else None
         self.model.train()
         # Off-policy rows (generated under an older version) are clipped against the proximal policy,
         # i.e. the weights right before this step, and weighted by proximal/behaviour (decoupled PPO).
@@ -218,8 +211,8 @@ class PolicyTrainer:
         out = _mean(acc)
         out["off_policy"] = float(off_policy)
         out["proximal_forward"] = float(proximal_forward)
-        if self.compile_backend is not None:
-            out["compiles"] = float(compiles_since("actor", graphs, t0))
+        if compiles is not None:
+            out["compiles"] = float(compiles.since("actor"))
         return out
 
 
