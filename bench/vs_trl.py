@@ -15,9 +15,9 @@ Phases (each its own process, so each starts with the GPU to itself), grouped so
 device call of at most 10 minutes (`plan` prints the estimates, seconds measured on the H200 run of
 2026-12-02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
 repeats, vLLM alone, trainer and reference alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM,
-both workloads, and a second run at 0.5B), `peers2` (TRL with vLLM's other repeats, TRL with generate,
-then the `mps` lever); `levers2` (`stale2`, then `eager`) and `levers` (`lp`, the 0.5B fleet with vLLM's
-log-prob output, then `chunked`) get what is left. A run first checks, in seconds, that every service and both
+both workloads, and a second run at 0.5B), `peers2` (TRL with vLLM's other repeats, TRL with
+generate); `levers2` (`stale2`, then `eager`) and `levers` (`lp`, the 0.5B fleet with vLLM's
+log-prob output, `chunked`, then `mps`) get what is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
 - `trl-vllm-<w>`, `-r2`, `-r3`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the
@@ -137,7 +137,8 @@ LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str
     "chunked": ({"logprob_chunk_tokens": 1024}, {}, {}, {}, {}),
     "eager": ({"compile": False}, {}, {}, {}, {}),
     # At 0.5B generation runs at 60-65% of its speed alone while the GPU idles 40% (2026-12-03): the
-    # processes' kernels time-slice. Under CUDA MPS they run side by side.
+    # processes' kernels time-slice. Under CUDA MPS they run side by side: 0.75x on 2026-12-03 11:11
+    # (the trainer sped up, the generation that paces the step slowed).
     "mps": ({}, {}, {}, {}, {"cuda_mps": True}),
 }
 # What a CPU dry run can start: no vLLM (its options are refused by the transformers engine) and no
@@ -158,10 +159,9 @@ def phases() -> list[Phase]:
     # the 1.5B repeats and the 0.5B repeats, each with vLLM, the trainer and the reference alone after
     # them (vLLM loads the graphs they compiled), then TRL with vLLM, whose runs vary by a third (38.8 to
     # 54.2 samples/s at 0.5B at 16:42): a first run of each shape and a second at 0.5B, then `peers2` with
-    # the rest of its repeats, TRL with `generate` (the second peer row) and `mps`, the lever of the
-    # pacing stage at 0.5B (generation, slowed by time-slicing the GPU with the trainer's process:
-    # 2.2-2.4 s a step against 1.5 s alone, at 56-61% utilization in the 2026-12-03 levers run), which
-    # the four calls of the 16:42 run left time for; `stale2` (+11% eager then) moved to `levers2`.
+    # the rest of its repeats and TRL with `generate` (the second peer row). `mps`, measured at 0.75x
+    # on 2026-12-03 11:11, left `peers2` for `levers`, so that the four calls leave a session slack for
+    # a machine that is taken back; `stale2` (+11% eager on 2026-12-03 04:18) is in `levers2`.
     est = {"fleet-1.5b-r1": 170, "fleet-1.5b": 115, "vllm-alone-1.5b": 65, "train-alone-1.5b": 60,
            "fleet-0.5b-r1": 120, "fleet-0.5b": 100, "vllm-alone-0.5b": 55, "train-alone-0.5b": 45,
            "trl-vllm-1.5b": 170, "trl-vllm-1.5b-warm": 100, "trl-vllm-0.5b": 105, "trl-vllm-0.5b-warm": 90,
@@ -179,8 +179,10 @@ def phases() -> list[Phase]:
             w = name.split("-")[2]
             out.append(Phase(name, "trl-vllm", w, group, est[f"trl-vllm-{w}" + ("-warm" if "-r" in name else "")]))
     out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
-    lever_group = {"mps": "peers2", "stale2": "levers2", "eager": "levers2"}
-    for lever in sorted(LEVERS, key=lambda n: list(lever_group).index(n) if n in lever_group else len(lever_group)):
+    lever_group = {"stale2": "levers2", "eager": "levers2"}
+    last = ("mps",)
+    for lever in sorted(LEVERS, key=lambda n: list(lever_group).index(n) if n in lever_group
+                        else len(lever_group) + (n in last)):
         algo_opts, vllm_opts, gen_opts, flow_opts, run_opts = LEVERS[lever]
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", lever_group.get(lever, "levers"),
                          est["lever"] + {"lp": 45}.get(lever, 0), algo_opts=algo_opts, vllm_opts=vllm_opts,
@@ -521,6 +523,7 @@ def phase_fleet(p: Phase, cap: float, gpu: GpuSampler, port_base: int) -> dict[s
     res["rows"] = rows
     res["engine_start_s"] = engine_start_s(run_dir)
     res["startup"] = startup_timeline(run_dir, t0)
+    res["step_compiles"] = step_compiles(run_dir)
     steady = [r for r in rows if first < int(r["step"]) <= last]
     if rows and int(rows[0]["step"]) == 1:
         res["first_step_s"] = float(rows[0]["time"]) - t0
@@ -588,6 +591,15 @@ def engine_start_s(run_dir: Path) -> float | None:
         if m:
             return float(m.group(1))
     return None
+
+
+def step_compiles(run_dir: Path) -> list[dict[str, Any]]:
+    """Every `compiled during a step` record of the services (role, graphs, seconds and the guards that
+    failed): which shapes or inputs the compile warm-up missed, read from the run itself."""
+    logs = sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []
+    keep = ("role", "graphs", "seconds", "guard_failures")
+    return [{k: r[k] for k in keep if k in r} for log in logs for r in _records(log)
+            if r.get("msg") == "compiled during a step"]
 
 
 def _records(log: Path) -> list[dict[str, Any]]:

@@ -306,17 +306,26 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _guard_failures() -> list[str]:
+    """Every guard failure Dynamo has recorded in this process, in order: why each recompile happened."""
+    from torch._dynamo.utils import guard_failures
+
+    return [reason for reasons in list(guard_failures.values()) for reason in reasons]
+
+
 class CompileCount:
     """The graphs torch.compile builds in this process from now on: `since(role)` says how many, and
-    logs them when there are any (seconds a step spent compiling after the warm-up)."""
+    logs them when there are any (seconds a step spent compiling after the warm-up), with the guards
+    that failed: which shape or input the warm-up missed (sizes and source lines, never values)."""
 
     def __init__(self) -> None:
-        self.before, self.t0 = compiled_graphs(), time.perf_counter()
+        self.before, self.failures, self.t0 = compiled_graphs(), len(_guard_failures()), time.perf_counter()
 
     def since(self, role: str) -> int:
         n = compiled_graphs() - self.before
         if n:
-            log.info("compiled during a step", extra={"role": role, "graphs": n,
+            why = [r.splitlines()[0][:300] for r in _guard_failures()[self.failures:]][:8]
+            log.info("compiled during a step", extra={"role": role, "graphs": n, "guard_failures": why,
                                                       "seconds": round(time.perf_counter() - self.t0, 1)})
         return n
 

@@ -231,5 +231,12 @@ def test_a_step_that_compiles_says_so_in_its_row_and_its_log(
     assert first["compiles"] > 0
     assert any(r.getMessage() == "compiled during a step" and r.__dict__["role"] == "actor" for r in caplog.records)
     assert t.train_step(_rollout(), step=1, current_version=0)["compiles"] == 0
+    # Another batch size recompiles, and the log says which guard failed: what a warm-up missed.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="services.models.logprobs"):
+        other = t.train_step(ragged_rollout([0, 0, 0, 0], b=4), step=2, current_version=0)
+    assert other["compiles"] > 0
+    (rec,) = [r for r in caplog.records if r.getMessage() == "compiled during a step"]
+    assert any("size" in why for why in rec.__dict__["guard_failures"]), rec.__dict__["guard_failures"]
     eager = PolicyTrainer(_model(), AlgoSection(name="grpo", minibatch_size=6, compile=False), temperature=0.9)
     assert "compiles" not in eager.train_step(_rollout(), step=0, current_version=0)
