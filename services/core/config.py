@@ -80,7 +80,9 @@ class RunSection(_Strict):
     """`rlfleet up` starts a CUDA MPS control daemon of its own and runs every service as its client:
     the kernels of services sharing a GPU then run side by side instead of time-slicing (engine decode
     beside the trainer's step). Needs `nvidia-cuda-mps-control` on the host and a service on a CUDA
-    device; not for docker compose or Kubernetes, whose containers would have to share the daemon."""
+    device; not for docker compose or Kubernetes, whose containers would have to share the daemon.
+    Measure before turning it on: at 0.5B on one H200 the trainer sped up but the generation that
+    paced the step slowed, 0.75x overall (BENCHMARKS.md, 2026-12-03)."""
 
 
 class GenerationSection(_Strict):
