@@ -305,6 +305,25 @@ def _startup(reps: list[dict[str, Any]]) -> str:
     return ", ".join(parts)
 
 
+def _step_compiles(reps: list[dict[str, Any]]) -> str:
+    """The repeats' steps that compiled after the warm-up (graphs, the trainer's seconds, the first guard
+    that failed): a warm-up gap, to be closed, not the trainer's speed."""
+    out = []
+    for i, p in enumerate(reps, 1):
+        steps = p.get("compiled_in_steps") or {}
+        if not steps:
+            continue
+        recs = [r for r in p.get("step_compiles") or [] if r.get("role") == "actor"]
+        part = f"r{i} step " + ", ".join(f"{k} ({v} graph{'s' if int(v) > 1 else ''})" for k, v in steps.items())
+        if recs and isinstance(recs[0].get("seconds"), int | float):
+            part += f" in a {recs[0]['seconds']:.1f} s train step"
+        why = next((r["guard_failures"][0] for r in recs if r.get("guard_failures")), None)
+        if why:
+            part += f" (first failed guard: `{why}`)"
+        out.append(part)
+    return "; ".join(out)
+
+
 def _fleet_setup(ph: dict[str, Any]) -> str:
     """The options of the fleet repeats that decide their speed, read from the config a repeat ran."""
     cfg = next((p["config"] for k, p in ph.items() if k.startswith("fleet-") and k.rsplit("-", 1)[1] in REPEATS
@@ -432,6 +451,9 @@ def render(res: dict[str, Any]) -> str:
         start = _startup(s["repeats"])
         if start:
             lines.append(f"- Start-up of the first repeat (seconds from launch; first log line → ready): {start}.")
+        compiled = _step_compiles(s["repeats"])
+        if compiled:
+            lines.append(f"- Compiled during a step, after the warm-up: {compiled}.")
         for i, p in enumerate(s["peers"]):
             if p.get("stages"):
                 run = f" (run {i + 1}, {p['samples_per_s']:.1f} samples/s)" if len(s["peers"]) > 1 else ""

@@ -405,3 +405,14 @@ def test_the_compiles_of_a_step_and_their_guard_failures_are_read_from_the_servi
     assert step_compiles(tmp_path) == [{"role": "actor", "graphs": 1, "seconds": 8.6, "guard_failures": [
         "0/3: tensor 'args[0]' size mismatch at index 1. expected 320, actual 318"]}]
     assert step_compiles(tmp_path / "no-run") == []
+
+
+def test_a_repeat_that_compiled_after_its_warm_up_is_named_in_the_report_with_the_guard_that_failed() -> None:
+    guard = "0/9: tensor 'args[0]' size mismatch at index 1. expected 14, actual 320"
+    compiled = {**_fleet(80.0, 60.0), "compiled_in_steps": {"2": 1},
+                "step_compiles": [{"role": "actor", "graphs": 1, "seconds": 10.7, "guard_failures": [guard]}]}
+    md = rep.render({**_result([80.0], [40.0]), "phases": {**_result([80.0], [40.0])["phases"],
+                                                          "fleet-0.5b-r1": compiled}})
+    assert (f"- Compiled during a step, after the warm-up: r1 step 2 (1 graph) in a 10.7 s train step"
+            f" (first failed guard: `{guard}`).") in md
+    assert "Compiled during a step" not in rep.render(_result([80.0], [40.0]))
