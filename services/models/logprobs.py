@@ -306,11 +306,19 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _guard_failures() -> list[str]:
-    """Every guard failure Dynamo has recorded in this process, in order: why each recompile happened."""
+def _guard_failures() -> dict[object, int]:
+    """How many guard failures Dynamo has recorded so far for each compiled code object."""
     from torch._dynamo.utils import guard_failures
 
-    return [reason for reasons in list(guard_failures.values()) for reason in reasons]
+    return {code: len(reasons) for code, reasons in list(guard_failures.items())}
+
+
+def _guard_failures_since(before: dict[object, int]) -> list[str]:
+    """The guard failures recorded after `before` (`_guard_failures()`): why each recompile since happened.
+    A recompile of an earlier code object appends to that code's list, so each list is cut on its own."""
+    from torch._dynamo.utils import guard_failures
+
+    return [r for code, reasons in list(guard_failures.items()) for r in reasons[before.get(code, 0):]]
 
 
 class CompileCount:
@@ -319,12 +327,12 @@ class CompileCount:
     that failed: which shape or input the warm-up missed (sizes and source lines, never values)."""
 
     def __init__(self) -> None:
-        self.before, self.failures, self.t0 = compiled_graphs(), len(_guard_failures()), time.perf_counter()
+        self.before, self.failures, self.t0 = compiled_graphs(), _guard_failures(), time.perf_counter()
 
     def since(self, role: str) -> int:
         n = compiled_graphs() - self.before
         if n:
-            why = [r.splitlines()[0][:300] for r in _guard_failures()[self.failures:]][:8]
+            why = [r.splitlines()[0][:300] for r in _guard_failures_since(self.failures)][:8]
             log.info("compiled during a step", extra={"role": role, "graphs": n, "guard_failures": why,
                                                       "seconds": round(time.perf_counter() - self.t0, 1)})
         return n

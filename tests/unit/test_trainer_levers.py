@@ -240,3 +240,30 @@ def test_a_step_that_compiles_says_so_in_its_row_and_its_log(
     assert any("size" in why for why in rec.__dict__["guard_failures"]), rec.__dict__["guard_failures"]
     eager = PolicyTrainer(_model(), AlgoSection(name="grpo", minibatch_size=6, compile=False), temperature=0.9)
     assert "compiles" not in eager.train_step(_rollout(), step=0, current_version=0)
+
+
+def test_a_recompile_of_an_earlier_compiled_function_is_the_guard_failure_a_step_reports(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from services.models.logprobs import CompileCount
+
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager")
+    def first(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @torch.compile(backend="eager")
+    def second(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    first(torch.ones(3))
+    first(torch.ones(3, 2))  # the earlier function's failure comes first in Dynamo's record
+    second(torch.ones(3))
+    second(torch.ones(3, dtype=torch.float64))  # then the later one's, before the count starts
+    count = CompileCount()
+    first(torch.ones(3, 2, 2))  # recompiles the earlier one: its list grows, not the last one
+    with caplog.at_level(logging.INFO, logger="services.models.logprobs"):
+        assert count.since("actor") == 1
+    (rec,) = [r for r in caplog.records if r.getMessage() == "compiled during a step"]
+    why = rec.__dict__["guard_failures"]  # one per graph of `first` that the new input failed
+    assert why and all("rank mismatch" in w and "actual 3" in w for w in why), why
