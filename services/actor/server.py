@@ -342,7 +342,8 @@ class Actor:
         """The trainer's warm-up (`PolicyTrainer.warm_up`), once; a compile failure is a ConfigError."""
         if self.ranks is None:
             proximal = self.trainer.weights_move_within(self.cfg.samples_per_step)
-            warm_up_compiled("actor", partial(self.trainer.warm_up, self.vocab, proximal))
+            warm_up_compiled("actor", partial(self.trainer.warm_up, self.vocab, proximal, self.cfg.samples_per_step,
+                                              self.cfg.generation.max_new_tokens))
         self.compiled = True
 
     def warming(self) -> asyncio.Task[None]:

@@ -17,7 +17,7 @@ from services.rl.batch import Rollout
 from services.rl.losses import aggregate, kl_loss, policy_loss, value_loss
 from services.rl.micro import MicroBatch, part_of, plan, score_rows
 from services.rl.packing import packed_logprobs, packed_values
-from services.rl.warmup import warm_up_rollouts
+from services.rl.warmup import full_prompt, warm_up_rollouts
 
 
 def _minibatches(n: int, size: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -91,16 +91,20 @@ class PolicyTrainer:
             compile_decoder(model, self.compile_backend)
         self.opt = adamw(model, algo.lr, algo.fused_optimizer)
 
-    def warm_up(self, vocab: int, proximal: bool = False) -> bool:
+    def warm_up(self, vocab: int, proximal: bool = False, step_rows: int = 0, response_tokens: int = 0) -> bool:
         """Compile what a step runs (`services.rl.warmup`) before the first step; False, doing nothing,
-        without compile. Forward and backward passes on small rollouts, with `proximal` the no-grad
-        proximal forward too; no optimizer step, and the gradients are dropped: the weights stay as
-        they are."""
+        without compile. Forward and backward passes on small rollouts and, given a step's rows and
+        its responses' most tokens, on rollouts as large as its largest micro-batch; with `proximal`
+        the no-grad proximal forward too. No optimizer step, and the gradients are dropped: the
+        weights stay as they are."""
         if self.compile_backend is None:
             return False
+        full = None
+        if step_rows > 0 and response_tokens > 0:
+            full = (self.micro_rows(step_rows, response_tokens + full_prompt(response_tokens)), response_tokens)
         self.model.train()
         try:
-            for r in warm_up_rollouts(vocab):
+            for r in warm_up_rollouts(vocab, full):
                 for m in self.split(r, self.algo):
                     part = part_of(r, m).to(self.device)
                     if proximal:
@@ -115,6 +119,15 @@ class PolicyTrainer:
             self.opt.zero_grad(set_to_none=True)
             self.model.eval()
         return True
+
+    def micro_rows(self, step_rows: int, width: int) -> int:
+        """Rows of the largest micro-batch a step of `step_rows` rows of `width` tokens trains on."""
+        rows = min(self.algo.minibatch_size, step_rows)
+        if self.algo.micro_batch_size:
+            return min(rows, self.algo.micro_batch_size)
+        if self.algo.micro_batch_tokens:
+            return max(1, min(rows, self.algo.micro_batch_tokens // width))
+        return rows
 
     def _logprobs(self, r: Rollout, with_entropy: bool,
                   bins: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -162,6 +162,8 @@ class _CountingBackend:
         return aot_autograd(fw_compiler=eager, bw_compiler=eager)(gm, example_inputs)
 
 
+# Past its recompile limit Dynamo runs a block eagerly, compiling nothing: an error in these tests instead.
+@torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
 def test_the_warm_up_compiles_every_graph_the_first_steps_run(monkeypatch: pytest.MonkeyPatch) -> None:
     import services.reference.scorer as scorer_mod
     import services.rl.trainer as trainer_mod
@@ -170,8 +172,6 @@ def test_the_warm_up_compiles_every_graph_the_first_steps_run(monkeypatch: pytes
     backend = _CountingBackend()
     monkeypatch.setattr(trainer_mod, "COMPILE_BACKEND", backend)
     monkeypatch.setattr(scorer_mod, "COMPILE_BACKEND", backend)
-    # Past its recompile limit Dynamo runs a block eagerly, compiling nothing: an error here instead.
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     # Minibatches of 3 rows in micro-batches of 2 and the remainder 1 (the weights move within the
     # batch, so the no-grad proximal forward runs too): other shapes than the warm-up's.
     algo = AlgoSection(name="grpo", minibatch_size=3, micro_batch_size=2, kl_coef=0.1, kl_in="loss",
@@ -267,3 +267,62 @@ def test_a_recompile_of_an_earlier_compiled_function_is_the_guard_failure_a_step
     (rec,) = [r for r in caplog.records if r.getMessage() == "compiled during a step"]
     why = rec.__dict__["guard_failures"]  # one per graph of `first` that the new input failed
     assert why and all("rank mismatch" in w and "actual 3" in w for w in why), why
+
+
+class _SizeClassBackend(_CountingBackend):
+    """The counting backend deciding, as Inductor's GPU fusion of mixed-order reductions does, by the
+    size of each [rows, tokens, hidden] input: the comparison is a guard of the graph it builds."""
+
+    def __init__(self, hidden: int, tokens: int) -> None:
+        super().__init__()
+        self.hidden, self.tokens = hidden, tokens
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        for node in gm.graph.find_nodes(op="placeholder"):
+            v = node.meta.get("example_value")
+            if isinstance(v, torch.Tensor) and v.dim() == 3 and v.size(2) == self.hidden:
+                bool(v.size(0) * v.size(1) * v.size(2) >= self.tokens * self.hidden)
+        return super().__call__(gm, example_inputs)
+
+
+@torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+def test_the_warm_up_builds_the_graphs_a_size_decided_fusion_needs_for_a_full_micro_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.rl.trainer as trainer_mod
+
+    algo = AlgoSection(name="grpo", minibatch_size=8, micro_batch_size=8, compile=True)
+    # 8 rows of 10 + 30 tokens: 320 tokens, past the threshold of 240 that every small warm-up rollout
+    # stays under (the 1.5B step's 16 x 320 tokens at hidden 1536 against Inductor's 5 MiB elements).
+    padded = ragged_rollout([0] * 8, b=8, p=10, r=30)
+    padded.response_mask[0] = True
+    unpadded = ragged_rollout([0] * 8, b=8, p=10, r=30)
+    unpadded.prompt_mask = torch.ones_like(unpadded.prompt_mask)
+    unpadded.response_mask = torch.ones_like(unpadded.response_mask)
+    compiles = {}
+    for full in (False, True):
+        torch._dynamo.reset()
+        monkeypatch.setattr(trainer_mod, "COMPILE_BACKEND", _SizeClassBackend(hidden=32, tokens=240))
+        t = PolicyTrainer(_model(), algo, temperature=0.9)
+        vocab = t.model.config.vocab_size
+        assert t.warm_up(vocab, step_rows=8, response_tokens=30) if full else t.warm_up(vocab)
+        compiles[full] = [t.train_step(r, step=s, current_version=0)["compiles"]
+                          for s, r in enumerate((unpadded, padded))]
+    assert all(compiles[False]), compiles  # small rollouts alone miss the full micro-batch's graphs
+    assert compiles[True] == [0, 0], compiles
+
+
+def test_the_full_size_warm_up_is_no_larger_than_a_real_micro_batch() -> None:
+    from services.rl.warmup import full_prompt, full_size, warm_up_rollouts
+
+    t = PolicyTrainer(_model(), AlgoSection(name="grpo", minibatch_size=64, micro_batch_size=16), temperature=1.0)
+    assert t.micro_rows(256, 264) == 16 and t.micro_rows(8, 264) == 8
+    assert PolicyTrainer(_model(), AlgoSection(minibatch_size=64), temperature=1.0).micro_rows(256, 264) == 64
+    budget = PolicyTrainer(_model(), AlgoSection(minibatch_size=64, micro_batch_tokens=2048), temperature=1.0)
+    assert budget.micro_rows(256, 264) == 7 and budget.micro_rows(256, 4096) == 1
+    assert [full_prompt(n) for n in (256, 255, 1)] == [8, 9, 15]  # width a multiple of 8
+    assert full_size(16, 256) == ((16, 8, 256, True), (16, 8, 256, False))
+    assert full_size(0, 256) == () and full_size(16, 0) == ()
+    small, full = warm_up_rollouts(97), warm_up_rollouts(97, (16, 256))
+    assert len(full) == len(small) + 2
+    assert [tuple(r.response_ids.shape) for r in full[-2:]] == [(16, 256), (16, 256)]
+    assert full[-1].prompt_mask.all() and full[-1].response_mask.all() and not full[-2].response_mask.all()
