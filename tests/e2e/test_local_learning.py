@@ -3,6 +3,8 @@ a fixed seed and a smaller budget than the README's run."""
 
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -12,10 +14,6 @@ from services.report import read_metrics
 from tests.fleet_helpers import tiny_config
 
 pytestmark = pytest.mark.slow
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
 
 
 @pytest.mark.parametrize(
@@ -31,9 +29,15 @@ def test_local_loop_raises_mean_reward(algo: dict, tmp_path: Path, tiny_model: P
     cfg = tiny_config(tmp_path, tiny_model, run={"max_steps": 200, "eval_every": 0}, algo=algo, batch=batch,
                       task={"eval_size": 0})
     rows = read_metrics(run_local(cfg))
-    # Sampled training reward over 40 steps x 128 samples; the held-out eval (256 prompts, one
-    # sample each) is too noisy at this budget to assert on, and the README's run reports it.
+    # Sampled training reward; the held-out eval (256 prompts, one sample each) is too noisy at this
+    # budget to assert on, and the README's run reports it. The start is the first 20 steps (GRPO
+    # climbs within 80 steps, so the first 40 already hold part of the rise), the end the last 100
+    # (the plateau moves by +-0.03 over tens of steps): the rise must be real, past three standard
+    # errors of the difference, and worth having. Torch's threads make each run's trajectory differ.
     assert len(rows) == 200
     rewards = [r["reward_mean"] for r in rows]
-    first, last = _mean(rewards[:40]), _mean(rewards[-40:])
-    assert last > first + 0.05, f"training reward {first:.3f} -> {last:.3f}"
+    start, end = rewards[:20], rewards[-100:]
+    rise = statistics.fmean(end) - statistics.fmean(start)
+    se = math.sqrt(statistics.variance(start) / len(start) + statistics.variance(end) / len(end))
+    assert rise > max(0.03, 3 * se), f"training reward {statistics.fmean(start):.3f} -> " \
+        f"{statistics.fmean(end):.3f} (rise {rise:.3f}, standard error {se:.3f})"
