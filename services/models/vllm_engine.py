@@ -23,6 +23,10 @@ The engine keeps the contract of `services.models.engine` (the transformers back
   that share a prefix, and those tokens would be scored with stale keys and values.
 - pause/resume/abort as in the transformers backend; `abort()` cancels the vLLM requests of the calls
   in flight (between engine steps) and they return what they generated with finish_reason "abort".
+- A request reports once, when it finishes (`RequestOutputKind.FINAL_ONLY`, as `LLM.generate` asks):
+  streaming every token of every request (DELTA) builds a `RequestOutput` per request per decode step
+  in the one thread that also schedules the GPU, and a step of a small model is paced by that thread.
+  An aborted request's tokens are read from vLLM's output state before the abort drops it.
 """
 
 from __future__ import annotations
@@ -323,7 +327,7 @@ class VLLMEngine:
 
         seed = request_seed(params.seed, params.first_row + row)  # a replica slice seeds as the whole call
         return self._vllm.SamplingParams(**sampling_kwargs(params, self._eos, seed),
-                                         output_kind=RequestOutputKind.DELTA)
+                                         output_kind=RequestOutputKind.FINAL_ONLY)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         check_prompts(prompts, self._vocab)
@@ -342,11 +346,10 @@ class VLLMEngine:
         toks: list[list[int]] = [[] for _ in prompts]
         lps: list[list[float]] = [[] for _ in prompts]
         reasons: list[FinishReason | None] = [None] * len(prompts)
-        added: list[str] = []
+        added: dict[str, str] = {}  # our id -> vLLM's internal id
         try:
             for rid, p, sp in zip(ids, prompts, vparams, strict=True):
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), sp)
-                added.append(rid)
+                added[rid] = engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), sp)
             pending = len(prompts)
             while pending:
                 if self._gate.aborted(epoch):
@@ -368,6 +371,14 @@ class VLLMEngine:
         finally:
             left = [rid for rid in added if reasons[index[rid]] is None]
             if left:
+                states = engine.output_processor.request_states
+                for rid in left:
+                    i = index[rid]
+                    state = states.get(added[rid])
+                    if state is not None and not toks[i]:  # a DELTA request has them already
+                        toks[i] = list(state.detokenizer.output_token_ids)
+                        lps[i] = (sampled_logprobs(state.logprobs_processor.logprobs, toks[i])
+                                  if vparams[i].logprobs is not None else [0.0] * len(toks[i]))
                 engine.abort_request(left)
         return [Completion(t, lp, r or "abort") for t, lp, r in zip(toks, lps, reasons, strict=True)]
 
