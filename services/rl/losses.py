@@ -125,6 +125,27 @@ def policy_loss(
     (with dual clip), and `behaviour_weight_mean` (1.0 when not decoupled). Means are over masked
     tokens, 0 if none.
     """
+    loss, stats = policy_loss_terms(logp, old_logp, advantages, mask, clip_eps, clip_eps_high, agg, behaviour_logp,
+                                    behaviour_weight_cap, ratio_level, dual_clip_c, norm_len)
+    return loss, dict(zip(stats, torch.stack(list(stats.values())).tolist(), strict=True))
+
+
+def policy_loss_terms(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+    agg: AggMode = "token_mean",
+    behaviour_logp: Tensor | None = None,
+    behaviour_weight_cap: float | None = None,
+    ratio_level: RatioLevel = "token",
+    dual_clip_c: float | None = None,
+    norm_len: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`policy_loss` with its stats as 0-d tensors on the loss's device: a trainer that sums them over
+    micro-batches reads them back once a step, where each read of a GPU value waits for the GPU."""
     _check_mode(agg)
     _check_same(logp, old_logp=old_logp, advantages=advantages, behaviour_logp=behaviour_logp)
     if dual_clip_c is not None and dual_clip_c <= 1.0:
@@ -167,15 +188,9 @@ def policy_loss(
         ]
         if dual_hit is not None:
             parts.append(masked_mean(dual_hit.to(acc), m))
-        values = torch.stack(parts).tolist()
-    stats = {
-        "clip_frac": values[0],
-        "approx_kl": values[1],
-        "ratio_mean": values[2],
-        "behaviour_weight_mean": values[3],
-    }
+    stats = {"clip_frac": parts[0], "approx_kl": parts[1], "ratio_mean": parts[2], "behaviour_weight_mean": parts[3]}
     if dual_hit is not None:
-        stats["dual_clip_frac"] = values[4]
+        stats["dual_clip_frac"] = parts[4]
     return loss, stats
 
 

@@ -14,7 +14,7 @@ from services.models.critic import ValueModel
 from services.models.logprobs import COMPILE_BACKEND, CompileCount, compile_decoder, response_logprobs, wants_compile
 from services.models.lora import is_lora
 from services.rl.batch import Rollout
-from services.rl.losses import aggregate, kl_loss, policy_loss, value_loss
+from services.rl.losses import aggregate, kl_loss, policy_loss_terms, value_loss
 from services.rl.micro import MicroBatch, part_of, plan, score_rows
 from services.rl.packing import packed_logprobs, packed_values
 from services.rl.warmup import full_prompt, warm_up_rollouts
@@ -187,38 +187,38 @@ class PolicyTrainer:
             for idx in _minibatches(len(r), algo.minibatch_size, gen):
                 mb = r.select(idx)
                 self.opt.zero_grad(set_to_none=True)
-                sums: dict[str, float] = defaultdict(float)
+                sums = DeviceSums()
                 for m in self.split(mb, algo):
                     w = m.weight
                     part = part_of(mb, m).to(self.device)
                     rows, width = idx[m.rows], part.response_ids.shape[1]
                     logp, ent = self._logprobs(part, with_entropy=True, bins=m.bins)
                     prox = logp.detach() if old is None else old[rows, :width].to(self.device)
-                    loss, st = policy_loss(
+                    loss, st = policy_loss_terms(
                         logp, prox, part.advantages, part.response_mask,  # type: ignore[arg-type]
                         clip_eps=algo.clip_eps, clip_eps_high=algo.clip_eps_high, agg=algo.loss_agg,
                         behaviour_logp=None if behaviour is None else behaviour[rows, :width].to(self.device),
                         behaviour_weight_cap=algo.behaviour_weight_cap, ratio_level=algo.ratio_level,
                         dual_clip_c=algo.dual_clip_c, norm_len=norm_len,
                     )
-                    sums["policy_loss"] += w * float(loss.detach())
+                    sums.add("policy_loss", loss, w)
                     if algo.kl_coef > 0 and algo.kl_in == "loss" and part.ref_logprobs is not None:
                         kl = kl_loss(logp, part.ref_logprobs, part.response_mask, algo.kl_estimator, algo.loss_agg,
                                      clamp=algo.kl_clamp, norm_len=norm_len)
                         loss = loss + algo.kl_coef * kl
-                        sums["kl_loss"] += w * float(kl.detach())
+                        sums.add("kl_loss", kl, w)
                     assert ent is not None
                     entropy = aggregate(ent, part.response_mask, algo.loss_agg, norm_len)
                     if algo.entropy_coef > 0:
                         loss = loss - algo.entropy_coef * entropy
                     (loss * w).backward()
-                    sums["entropy"] += w * float(entropy.detach())
-                    for k, v in st.items():
-                        sums[k] += w * v
+                    sums.add("entropy", entropy, w)
+                    for k, stat in st.items():
+                        sums.add(k, stat, w)
                 grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), algo.max_grad_norm)
                 self.opt.step()
-                acc["grad_norm"].append(float(grad_norm))
-                for k, v in sums.items():
+                sums.add("grad_norm", grad_norm, 1.0)
+                for k, v in sums.read().items():
                     acc[k].append(v)
         self.model.eval()
         out = _mean(acc)
@@ -227,6 +227,27 @@ class PolicyTrainer:
         if compiles is not None:
             out["compiles"] = float(compiles.since("actor"))
         return out
+
+
+class DeviceSums:
+    """Weighted sums of a step's 0-d statistics, kept on their device and read back in one transfer.
+    Reading a GPU value waits for the GPU; a read per micro-batch drains the queue of kernels the CPU
+    keeps ahead of it (py-spy on the 0.5B fleet on the H200: a third of the trainer thread's time
+    waited in such reads while the GPU ran the engine's kernels)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def add(self, key: str, value: torch.Tensor, weight: float) -> None:
+        v = weight * value.detach().to(torch.float64)  # a Python float's precision, as the sums had
+        self._sums[key] = self._sums[key] + v if key in self._sums else v
+
+    def read(self) -> dict[str, float]:
+        if not self._sums:
+            return {}
+        device = next(iter(self._sums.values())).device
+        values = torch.stack([v.to(device) for v in self._sums.values()]).tolist()
+        return dict(zip(self._sums, values, strict=True))
 
 
 class ValueTrainer:

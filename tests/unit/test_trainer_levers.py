@@ -326,3 +326,34 @@ def test_the_full_size_warm_up_is_no_larger_than_a_real_micro_batch() -> None:
     assert len(full) == len(small) + 2
     assert [tuple(r.response_ids.shape) for r in full[-2:]] == [(16, 256), (16, 256)]
     assert full[-1].prompt_mask.all() and full[-1].response_mask.all() and not full[-2].response_mask.all()
+
+
+def test_a_train_step_reads_its_statistics_back_once_per_optimizer_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each read of a GPU value waits for the GPU; one per micro-batch drained the trainer's queue of
+    # kernels while the engine's ran (py-spy, 0.5B on the H200). Minibatches of 3 rows in micro-batches
+    # of 2 and 1: two optimizer steps, four micro-batches, one read each step.
+    from services.rl import trainer as trainer_mod
+
+    algo = AlgoSection(name="grpo", minibatch_size=3, micro_batch_size=2, kl_coef=0.1, kl_in="loss",
+                       entropy_coef=0.01, lr=1e-2)
+    t = PolicyTrainer(copy.deepcopy(_model()), algo, temperature=0.9)
+    eager = copy.deepcopy(t)
+    reads: list[dict[str, float]] = []
+    read = trainer_mod.DeviceSums.read
+
+    def counted(self: trainer_mod.DeviceSums) -> dict[str, float]:
+        reads.append(read(self))
+        return reads[-1]
+
+    def refuse(self: torch.Tensor, *a: object) -> float:
+        raise AssertionError("a tensor read back one value at a time during a train step")
+
+    expected = eager.train_step(_rollout(), step=0, current_version=1)
+    monkeypatch.setattr(trainer_mod.DeviceSums, "read", counted)
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    monkeypatch.setattr(torch.Tensor, "__float__", refuse)
+    stats = t.train_step(_rollout(), step=0, current_version=1)
+    monkeypatch.undo()
+    keys = {"policy_loss", "kl_loss", "entropy", "clip_frac", "grad_norm"}
+    assert len(reads) == 2 and all(keys <= set(r) for r in reads)
+    assert stats == pytest.approx(expected, rel=1e-12)  # the same figures as reading each one at once
