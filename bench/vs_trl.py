@@ -140,6 +140,12 @@ LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str
     # processes' kernels time-slice. Under CUDA MPS they run side by side: 0.75x on 2026-12-03 11:11
     # (the trainer sped up, the generation that paces the step slowed).
     "mps": ({}, {}, {}, {}, {"cuda_mps": True}),
+    # At 0.5B one Python thread, vLLM's scheduler, paces decoding (py-spy on 2026-12-03 21:38: the
+    # engine's main thread busy all the time, the GPU 20-28% busy while generation runs alone). Two
+    # engine processes on the GPU take half the sequences each, on two cores.
+    "rep2": ({}, {}, {"replicas": 2}, {}, {}),
+    # The same thread's per-token prefix-cache work (block hashes, caching) left out.
+    "nopc": ({}, {"prefix_caching": False}, {}, {}, {}),
 }
 # What a CPU dry run can start: no vLLM (its options are refused by the transformers engine) and no
 # inductor (minutes per graph on two cores; tests/unit/test_trainer_levers.py checks compile).
@@ -161,7 +167,8 @@ def phases() -> list[Phase]:
     # 54.2 samples/s at 0.5B at 16:42): a first run of each shape and a second at 0.5B, then `peers2` with
     # the rest of its repeats and TRL with `generate` (the second peer row). `mps`, measured at 0.75x
     # on 2026-12-03 11:11, left `peers2` for `levers`, so that the four calls leave a session slack for
-    # a machine that is taken back; `stale2` (+11% eager on 2026-12-03 04:18) is in `levers2`.
+    # a machine that is taken back; `rep2` (92% utilization at 0.5B on 2026-12-03 22:08, its second
+    # engine starting after the first: ~60 s more) and `stale2` (+11% eager on 2026-12-03 04:18) lead `levers2`.
     est = {"fleet-1.5b-r1": 170, "fleet-1.5b": 115, "vllm-alone-1.5b": 65, "train-alone-1.5b": 60,
            "fleet-0.5b-r1": 120, "fleet-0.5b": 100, "vllm-alone-0.5b": 55, "train-alone-0.5b": 45,
            "trl-vllm-1.5b": 170, "trl-vllm-1.5b-warm": 100, "trl-vllm-0.5b": 105, "trl-vllm-0.5b-warm": 90,
@@ -179,13 +186,13 @@ def phases() -> list[Phase]:
             w = name.split("-")[2]
             out.append(Phase(name, "trl-vllm", w, group, est[f"trl-vllm-{w}" + ("-warm" if "-r" in name else "")]))
     out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
-    lever_group = {"stale2": "levers2", "eager": "levers2"}
+    lever_group = {"rep2": "levers2", "stale2": "levers2", "eager": "levers2"}
     last = ("mps",)
     for lever in sorted(LEVERS, key=lambda n: list(lever_group).index(n) if n in lever_group
                         else len(lever_group) + (n in last)):
         algo_opts, vllm_opts, gen_opts, flow_opts, run_opts = LEVERS[lever]
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", lever_group.get(lever, "levers"),
-                         est["lever"] + {"lp": 45}.get(lever, 0), algo_opts=algo_opts, vllm_opts=vllm_opts,
+                         est["lever"] + {"lp": 45, "rep2": 60}.get(lever, 0), algo_opts=algo_opts, vllm_opts=vllm_opts,
                          gen_opts=gen_opts, flow_opts=flow_opts, run_opts=run_opts, lever=lever))
     # At 1.5B the trainer is the step (actor_train 4.0 of 4.2 s eagerly at 16:42): compile is its lever.
     algo_opts, vllm_opts, gen_opts, flow_opts, _ = LEVERS["eager"]
@@ -907,6 +914,11 @@ def missing_modules(dry: bool = DRY) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.steps is not None:
+        if args.steps < 2:
+            print(f"vs_trl: --steps must be >= 2 (a median and a spread), got {args.steps}", file=sys.stderr)
+            return 2
+        W["steps"] = args.steps
     chosen = select(args.phases or args.only)
     print_plan(chosen, args.deadline_s)
     bad = missing_modules()
@@ -975,6 +987,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="bound on the whole call; a phase that would start too late is skipped")
     r.add_argument("--phases", default=None,
                    help=f"comma-separated phases or groups (default: {','.join(DEFAULT_GROUPS)}; 'all')")
+    r.add_argument("--steps", type=int, default=None,
+                   help=f"measured steps per phase after the warm-up ones (default {W['steps']}); more cost device"
+                        " time and narrow a median of steps whose times vary")
     r.add_argument("--only", default=None, help=argparse.SUPPRESS)  # the issue-7 spelling of --phases
     r.add_argument("--update-benchmarks", action="store_true", help="rewrite the section in BENCHMARKS.md")
     rep = sub.add_parser("report", help="merge results JSONs, render BENCHMARKS.md's section and the plots")

@@ -23,6 +23,13 @@ class VLLMOptions(_Strict):
     """vLLM's compile cache (torch.compile artefacts), kept across restarts; a relative path is taken
     under run.dir. null: vLLM's default (~/.cache/vllm)."""
 
+    prefix_caching: bool = True
+    """Share the KV blocks of equal prompt prefixes (a GRPO group's copies of one prompt prefill once).
+    It costs the scheduler per-token work in every decode step (hashing each filled block, caching and
+    evicting blocks), on the one thread that paces a small model's decoding; the weight sync empties
+    the cache every step, so only the copies within one step share anything. false: short prompts
+    and small models, where prefill is cheap and decoding is bound by that thread."""
+
     kv_cache_gib: Annotated[float, Field(gt=0)] | None = None
     """The KV cache's size, fixed, instead of what vLLM's memory profiling leaves of
     gpu_memory_utilization. The profiling reads the GPU's free memory, so another process allocating
@@ -32,7 +39,7 @@ class VLLMOptions(_Strict):
 
     def engine_options(self, run_dir: Path | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"gpu_memory_utilization": self.gpu_memory_utilization,
-                               "enforce_eager": self.enforce_eager}
+                               "enforce_eager": self.enforce_eager, "enable_prefix_caching": self.prefix_caching}
         if self.kv_cache_gib is not None:
             out["kv_cache_memory_bytes"] = int(self.kv_cache_gib * 2**30)
         if self.max_model_len is not None:

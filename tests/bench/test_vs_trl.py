@@ -227,6 +227,20 @@ def test_the_fleet_repeats_run_rlfleets_configuration_and_the_lp_lever_takes_it_
     assert "cuda_mps" not in fleet_config(rep1, Path("/m"), 0, dry=False)["run"]
     # 0.75x on 2026-12-03: out of the four calls a session runs, the last lever of the last group.
     assert mps not in select("peers2") and select("levers")[-1] == mps
+    (rep2,) = select("fleet-0.5b-rep2")  # two engine processes: 92% utilization at 0.5B, first in line
+    assert fleet_config(rep2, Path("/m"), 0, dry=False)["generation"]["replicas"] == 2
+    assert select("levers2")[0] == rep2 and "replicas" not in base
+    (nopc,) = select("fleet-0.5b-nopc")
+    assert fleet_config(nopc, Path("/m"), 0, dry=False)["generation"]["vllm"]["prefix_caching"] is False
+    assert "prefix_caching" not in base["vllm"]
+
+
+def test_a_run_refuses_fewer_measured_steps_than_a_median_and_a_spread_need(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "bench.vs_trl", "run", "--phases", "0.5b", "--steps", "1",
+                           "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "BENCH_DRY": "1", "BENCH_WORK": str(tmp_path / "work")})
+    assert proc.returncode == 2 and "--steps must be >= 2" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
 
 
 def test_each_framework_compiles_into_caches_of_its_own_and_its_later_launches_reuse_them() -> None:

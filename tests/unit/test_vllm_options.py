@@ -29,6 +29,19 @@ def test_vllm_options_reach_the_engine_kwargs_with_the_cache_under_the_run_dir(t
     assert absolute.generation.engine_kwargs(cfg.run_dir)["compile_cache_dir"] == "/srv/cache"
 
 
+def test_prefix_caching_is_on_unless_the_config_turns_it_off_and_reaches_the_engine_by_its_own_name() -> None:
+    import inspect
+
+    from services.models.vllm_engine import VLLMEngine
+
+    on = parse_config({"generation": {"engine": "vllm", "device": "cuda"}}).generation.engine_kwargs()
+    off = parse_config({"generation": {"engine": "vllm", "vllm": {"prefix_caching": False}}}).generation.engine_kwargs()
+    assert on["enable_prefix_caching"] is True and off["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" in inspect.signature(VLLMEngine.from_path).parameters
+    with pytest.raises(Exception, match="prefix_caching"):
+        parse_config({"generation": {"engine": "vllm", "vllm": {"prefix_caching": "sometimes"}}})
+
+
 def test_capture_sizes_are_vllms_defaults_up_to_the_run_batch() -> None:
     assert capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
     assert capture_sizes(100) == [1, 2, 4, *range(8, 97, 8), 100]
