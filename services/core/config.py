@@ -154,12 +154,13 @@ class GenerationSection(_Strict):
         return self.dtype or policy_dtype
 
     def starts_beside_trainer(self, env: Mapping[str, str]) -> bool:
-        """Whether the actor may build its trainer while its engine process starts: not while vLLM
-        profiles the GPU's free memory (`vllm.kv_cache_gib`, or RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES in
-        `env`, skips that), and only for one engine process (in the actor's, both would share it)."""
+        """Whether the actor may build its trainer while its engines start: not while vLLM profiles
+        the GPU's free memory (`vllm.kv_cache_gib`, or RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES in `env`,
+        skips that), and only for engines in processes of their own (`process`, or replicas, which
+        always are; an engine in the actor's process would share its thread)."""
         profiles = self.engine == "vllm" and self.vllm.kv_cache_gib is None and \
             not env.get("RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES")
-        return self.process and self.replicas == 1 and not profiles
+        return (self.process or self.replicas > 1) and not profiles
 
     def engine_kwargs(self, run_dir: Path | None = None) -> dict[str, Any]:
         """Keyword arguments for `services.models.factory.make_engine`; `run_dir` anchors relative paths."""

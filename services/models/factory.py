@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -96,17 +97,36 @@ def _make_replicas(name: str, model_path: Path, replicas: int, tp: int, weight_t
         kw["gpu_memory_utilization"] = float(kw["gpu_memory_utilization"]) * layout.memory_share
     # CPU replicas split this process's threads instead of each taking all of them.
     threads = None if any(layout.devices) else max(1, torch.get_num_threads() // replicas)
+
+    def start(r: int) -> GenerationEngine:
+        pinned = layout.visible_devices(r)
+        # A pinned replica sees its GPUs from index 0 on.
+        rkw = dict(kw, device="cuda") if pinned is not None else kw
+        # The trainer (rank 0) runs on the first of the actor's GPUs: replicas elsewhere cannot
+        # open its CUDA IPC handles.
+        how = resolve(weight_transfer, shares_trainer_device=not layout.devices[r] or 0 in layout.ordinals[r])
+        return ProcessEngine(name, model_path, visible_devices=pinned, label=f"-replica{r}",
+                             threads=threads, transfer=how, **transfer, **rkw)
+
+    # vLLM sizes its KV cache from the GPU's free memory unless the size is fixed: replicas sharing a
+    # GPU then start one after the other, so that none counts another's allocations as taken.
+    profiles = (name == "vllm" and layout.memory_share < 1.0 and "kv_cache_memory_bytes" not in kw
+                and not os.environ.get("RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES"))
     engines: list[GenerationEngine] = []
     try:
-        for r in range(replicas):
-            pinned = layout.visible_devices(r)
-            # A pinned replica sees its GPUs from index 0 on.
-            rkw = dict(kw, device="cuda") if pinned is not None else kw
-            # The trainer (rank 0) runs on the first of the actor's GPUs: replicas elsewhere cannot
-            # open its CUDA IPC handles.
-            how = resolve(weight_transfer, shares_trainer_device=not layout.devices[r] or 0 in layout.ordinals[r])
-            engines.append(ProcessEngine(name, model_path, visible_devices=pinned, label=f"-replica{r}",
-                                         threads=threads, transfer=how, **transfer, **rkw))
+        # The first replica alone: it compiles (vLLM's graphs, on a cold host about a minute) into the
+        # cache the others then load, instead of all of them compiling the same graphs at once.
+        engines.append(start(0))
+        if profiles:
+            for r in range(1, replicas):
+                engines.append(start(r))
+        else:
+            with ThreadPoolExecutor(max_workers=replicas - 1, thread_name_prefix="engine-start") as pool:
+                futures = [pool.submit(start, r) for r in range(1, replicas)]
+            engines += [f.result() for f in futures if f.exception() is None]
+            failed = next((f.exception() for f in futures if f.exception() is not None), None)
+            if failed is not None:
+                raise failed
     except BaseException:
         for e in engines:
             e.close()

@@ -120,6 +120,10 @@ def test_the_trainer_is_built_beside_the_engine_only_where_nothing_profiles_free
     assert gen(**vllm).starts_beside_trainer({"RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES": "1e9"})
     assert gen(process=True).starts_beside_trainer({})  # the transformers engine never profiles
     assert not gen(process=False).starts_beside_trainer({})  # one process: the trainer after the engine
+    # Replicas are processes of their own: beside the trainer too, where none profiles.
+    assert gen(**vllm, replicas=2, vllm={"kv_cache_gib": 4.5}).starts_beside_trainer({})
+    assert not gen(**vllm, replicas=2).starts_beside_trainer({})
+    assert gen(process=False, replicas=2).starts_beside_trainer({})
     assert "kv_cache_memory_bytes" not in gen(**vllm).engine_kwargs()
     with pytest.raises(ConfigError, match="kv_cache_gib"):
         gen(**vllm, vllm={"kv_cache_gib": 0})

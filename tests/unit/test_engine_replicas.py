@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -221,3 +222,59 @@ def test_replica_metrics_carry_the_nvml_index_of_each_replicas_gpu(monkeypatch: 
     text = generate_latest(m.registry).decode()
     assert 'rlfleet_engine_replica_gpu_memory_bytes{gpu="5",replica="1",service="actor"} 4.294967296e+09' in text
     assert 'rlfleet_engine_replica_tokens_total{replica="0",service="actor"} 4.0' in text
+
+
+class _Starting:
+    """Stands in for a ProcessEngine: records when its start began and ended."""
+
+    spans: ClassVar[dict[str, tuple[float, float]]] = {}
+    fail: ClassVar[str | None] = None
+
+    def __init__(self, name: str, model_path: Path, *, label: str = "", **kw: object) -> None:
+        import time
+
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        _Starting.spans[label] = (t0, time.monotonic())
+        if label == _Starting.fail:
+            raise EngineError(f"{label} did not start")
+        self.version, self.closed = 0, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize(("kv_fixed", "together"), [(True, True), (False, False)])
+def test_replicas_on_one_gpu_start_after_the_first_and_together_unless_vllm_profiles_free_memory(
+        monkeypatch: pytest.MonkeyPatch, kv_fixed: bool, together: bool) -> None:
+    import services.models.engine_proc as engine_proc
+
+    monkeypatch.setattr(engine_proc, "ProcessEngine", _Starting)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES", raising=False)
+    _Starting.spans, _Starting.fail = {}, None
+    opts: dict[str, Any] = {"kv_cache_memory_bytes": 2**30} if kv_fixed else {}
+    eng = make_engine("vllm", Path("/m"), device="cuda", replicas=3, gpu_memory_utilization=0.6, **opts)
+    assert isinstance(eng, ReplicaEngine) and len(eng.engines) == 3
+    first, second, third = (_Starting.spans[f"-replica{r}"] for r in range(3))
+    assert second[0] >= first[1] and third[0] >= first[1]  # the first alone: it fills vLLM's compile cache
+    overlap = min(second[1], third[1]) > max(second[0], third[0])
+    assert overlap is together
+
+
+def test_a_replica_that_fails_to_start_closes_the_ones_that_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.models.engine_proc as engine_proc
+
+    built: list[_Starting] = []
+
+    class Recorded(_Starting):
+        def __init__(self, *a: object, **kw: object) -> None:
+            super().__init__(*a, **kw)  # type: ignore[arg-type]
+            built.append(self)
+
+    monkeypatch.setattr(engine_proc, "ProcessEngine", Recorded)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    _Starting.spans, _Starting.fail = {}, "-replica2"
+    with pytest.raises(EngineError, match="-replica2 did not start"):
+        make_engine("vllm", Path("/m"), device="cuda", replicas=3, kv_cache_memory_bytes=2**30)
+    assert len(built) == 2 and all(e.closed for e in built)
