@@ -16,7 +16,7 @@ device call of at most 10 minutes (`plan` prints the estimates, seconds measured
 2026-12-02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
 repeats, vLLM alone, trainer and reference alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM,
 both workloads, and a second run at 0.5B), `peers2` (TRL with vLLM's other repeats, TRL with
-generate); `levers2` (`stale2`, then `eager`) and `levers` (`lp`, the 0.5B fleet with vLLM's
+generate); `levers2` (`rep2`, `stale2`, then `eager`) and `levers` (`lp`, the 0.5B fleet with vLLM's
 log-prob output, `chunked`, then `mps`) get what is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
@@ -35,7 +35,8 @@ peers import on the host, and skips a phase that would not finish before `--dead
   sharing the GPU with generation.
 - `trl-0.5b`: TRL with `model.generate` (the second peer row).
 - `fleet-0.5b-<lever>`: one change to `fleet-0.5b`: `lp` (vLLM's per-token log-probs and its default
-  CUDA-graph sizes: the configuration of the 2026-12-01 run), `stale2` (flow.max_staleness 2),
+  CUDA-graph sizes: the configuration of the 2026-12-01 run), `rep2` (generation.replicas 2: two engine
+  processes on the GPU), `nopc` (generation.vllm.prefix_caching false), `stale2` (flow.max_staleness 2),
   `chunked` (algo.logprob_chunk_tokens), `mps` (run.cuda_mps: the services as clients of a CUDA MPS
   daemon), `eager` (algo.compile false: no torch.compile). Fused AdamW, a
   lever until the 13:08 run of 2026-12-02 (+6%), is rlfleet's default since, as it is transformers' (TRL's
