@@ -239,6 +239,9 @@ class DeviceSums:
         self._sums: dict[str, torch.Tensor] = {}
 
     def add(self, key: str, value: torch.Tensor, weight: float) -> None:
+        full = getattr(value, "full_tensor", None)  # a sharded model's grad norm is a DTensor
+        if full is not None:
+            value = full()
         v = weight * value.detach().to(torch.float64)  # a Python float's precision, as the sums had
         self._sums[key] = self._sums[key] + v if key in self._sums else v
 
