@@ -7,13 +7,17 @@ slot holding an arbitrary log-prob could otherwise turn every gradient into NaN.
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+from collections.abc import Callable
+from typing import Literal, ParamSpec
 
 import torch
 from torch import Tensor
 
 from services.rl.kl import K3_LOG_RATIO_CLAMP, KL_VALUE_CLAMP, KLKind, kl_estimate
 from services.rl.masked import acc_dtype, as_bool_mask, masked_mean, masked_sum
+
+P = ParamSpec("P")
 
 AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 _AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
@@ -99,37 +103,6 @@ def decoupled_weights(
     return w.to(proximal_logp.dtype)
 
 
-def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_eps: float,
-    clip_eps_high: float | None = None,
-    agg: AggMode = "token_mean",
-    behaviour_logp: Tensor | None = None,
-    behaviour_weight_cap: float | None = None,
-    ratio_level: RatioLevel = "token",
-    dual_clip_c: float | None = None,
-    norm_len: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate against the proximal policy `old_logp`; decoupled when given a behaviour.
-
-    `ratio_level="sequence"` is GSPO: every token of a response carries the length-normalised
-    sequence ratio s = exp(mean_t log r_t), written so its gradient is s * grad log pi per token.
-    `dual_clip_c` (> 1) bounds the loss of negative-advantage tokens at -c * A (dual-clip PPO), so a
-    huge ratio on a bad token cannot dominate the step.
-
-    Stats: `clip_frac` (tokens whose gradient the clip removes), `approx_kl` (k3 estimate of
-    KL(old || new) from tokens sampled by old: r - 1 - log r), `ratio_mean`, `dual_clip_frac`
-    (with dual clip), and `behaviour_weight_mean` (1.0 when not decoupled). Means are over masked
-    tokens, 0 if none.
-    """
-    loss, stats = policy_loss_terms(logp, old_logp, advantages, mask, clip_eps, clip_eps_high, agg, behaviour_logp,
-                                    behaviour_weight_cap, ratio_level, dual_clip_c, norm_len)
-    return loss, dict(zip(stats, torch.stack(list(stats.values())).tolist(), strict=True))
-
-
 def policy_loss_terms(
     logp: Tensor,
     old_logp: Tensor,
@@ -144,8 +117,20 @@ def policy_loss_terms(
     dual_clip_c: float | None = None,
     norm_len: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """`policy_loss` with its stats as 0-d tensors on the loss's device: a trainer that sums them over
-    micro-batches reads them back once a step, where each read of a GPU value waits for the GPU."""
+    """PPO clipped surrogate against the proximal policy `old_logp`; decoupled when given a behaviour.
+
+    `ratio_level="sequence"` is GSPO: every token of a response carries the length-normalised
+    sequence ratio s = exp(mean_t log r_t), written so its gradient is s * grad log pi per token.
+    `dual_clip_c` (> 1) bounds the loss of negative-advantage tokens at -c * A (dual-clip PPO), so a
+    huge ratio on a bad token cannot dominate the step.
+
+    Stats: `clip_frac` (tokens whose gradient the clip removes), `approx_kl` (k3 estimate of
+    KL(old || new) from tokens sampled by old: r - 1 - log r), `ratio_mean`, `dual_clip_frac`
+    (with dual clip), and `behaviour_weight_mean` (1.0 when not decoupled). Means are over masked
+    tokens, 0 if none. They are 0-d tensors on the loss's device: a trainer that sums them over
+    micro-batches reads them back once a step (each read of a GPU value waits for the GPU);
+    `policy_loss` gives them as floats.
+    """
     _check_mode(agg)
     _check_same(logp, old_logp=old_logp, advantages=advantages, behaviour_logp=behaviour_logp)
     if dual_clip_c is not None and dual_clip_c <= 1.0:
@@ -192,6 +177,20 @@ def policy_loss_terms(
     if dual_hit is not None:
         stats["dual_clip_frac"] = parts[4]
     return loss, stats
+
+
+def _stats_read_back(fn: Callable[P, tuple[Tensor, dict[str, Tensor]]]) -> Callable[P, tuple[Tensor, dict[str, float]]]:
+    """`fn` with its 0-d tensor stats read back as floats, all in one transfer."""
+
+    @functools.wraps(fn)
+    def read(*args: P.args, **kwargs: P.kwargs) -> tuple[Tensor, dict[str, float]]:
+        loss, stats = fn(*args, **kwargs)
+        return loss, dict(zip(stats, torch.stack(list(stats.values())).tolist(), strict=True))
+
+    return read
+
+
+policy_loss = _stats_read_back(policy_loss_terms)
 
 
 def value_loss(
