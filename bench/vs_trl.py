@@ -16,16 +16,18 @@ device call of at most 10 minutes (`plan` prints the estimates, seconds measured
 2026-12-02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
 repeats, vLLM alone, trainer and reference alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM,
 both workloads, and a second run at 0.5B), `peers2` (TRL with vLLM's other repeats, TRL with
-generate); `levers2` (`rep2`, `stale2`, then `eager`) and `levers` (`lp`, the 0.5B fleet with vLLM's
+generate); `levers2` (`rep1`, `compiled`, then `stale2`) and `levers` (`lp`, the 0.5B fleet with vLLM's
 log-prob output, `chunked`, then `mps`) get what is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
 - `trl-vllm-<w>`, `-r2`, `-r3`: TRL 1.16 `GRPOTrainer` with vLLM colocated (`bench.trl_peer --use-vllm`): the
   peer, repeated like rlfleet (ratios are taken to its fastest run; `vs_trl_report`).
 - `fleet-<w>-r1..r3`: `rlfleet up`, every service on the GPU, `engine: vllm` in its own process, three
-  times: median and spread. rlfleet's configuration for this workload (`FLEET_GENERATION`, `FLEET_VLLM`):
-  the trainer's proximal log-probs score every batch (`generation.behaviour_logprobs: trainer`, no
-  per-token log-probs from vLLM) and vLLM captures CUDA graphs up to the 256 sequences of a step. A
+  times: median and spread. rlfleet's configuration for this workload (`FLEET_GENERATION`, `FLEET_VLLM`,
+  `FLEET_SHAPE`): the trainer's proximal log-probs score every batch (`generation.behaviour_logprobs:
+  trainer`, no per-token log-probs from vLLM) and vLLM captures CUDA graphs up to the 256 sequences of a
+  step; at 0.5B two engine processes share the GPU (`generation.replicas: 2`) and the trainer and the
+  reference run eagerly (`algo.compile: false`), at 1.5B one engine and both compiled. A
   phase is stopped as soon as its last measured step is in: no final checkpoint or export.
 - `vllm-alone-<w>`: the engine the fleet's actor starts (same options, environment and sampler), driven by
   vLLM's own `LLM.generate` on one step's prompts, plain and with per-token log-probs: the generation
@@ -35,10 +37,11 @@ peers import on the host, and skips a phase that would not finish before `--dead
   sharing the GPU with generation.
 - `trl-0.5b`: TRL with `model.generate` (the second peer row).
 - `fleet-0.5b-<lever>`: one change to `fleet-0.5b`: `lp` (vLLM's per-token log-probs and its default
-  CUDA-graph sizes: the configuration of the 2026-12-01 run), `rep2` (generation.replicas 2: two engine
-  processes on the GPU), `nopc` (generation.vllm.prefix_caching false), `stale2` (flow.max_staleness 2),
-  `chunked` (algo.logprob_chunk_tokens), `mps` (run.cuda_mps: the services as clients of a CUDA MPS
-  daemon), `eager` (algo.compile false: no torch.compile). Fused AdamW, a
+  CUDA-graph sizes: the configuration of the 2026-12-01 run), `rep1` (one engine process, not two),
+  `compiled` (algo.compile true: the trainer and the reference compiled), `nopc`
+  (generation.vllm.prefix_caching false), `stale2` (flow.max_staleness 2), `chunked`
+  (algo.logprob_chunk_tokens), `mps` (run.cuda_mps: the services as clients of a CUDA MPS daemon); at
+  1.5B `eager` (algo.compile false: no torch.compile). Fused AdamW, a
   lever until the 13:08 run of 2026-12-02 (+6%), is rlfleet's default since, as it is transformers' (TRL's
   optimizer); torch.compile, a lever until 2026-12-03 (1.30-1.41x at 1.5B, 1.04-1.09x at 0.5B), too.
 - `extra` (not default): PPO with a critic, the transformers engine, the engine inside the actor.
@@ -125,6 +128,17 @@ class Phase:
 # the engine starts (a step's 256 sequences at max_model_len 512 need 1.5 GiB at 0.5B, 3.5 GiB at 1.5B).
 FLEET_GENERATION: dict[str, Any] = {"behaviour_logprobs": "trainer"}
 FLEET_VLLM: dict[str, Any] = {"cudagraph_max_batch": W["prompts_per_step"] * W["group"], "kv_cache_gib": 8}
+# Per shape, on top of that: at 0.5B one Python thread, vLLM's scheduler, paces a single engine's
+# decoding (py-spy, 2026-12-03 21:38: the GPU 20-28% busy while generation runs alone), so two engine
+# processes share the GPU, each with half the sequences (generation 2.11 -> 1.33 s, 92% utilization,
+# 2026-12-03 22:08). The trainer then paces the step, eagerly: torch.compile gained 4-9% at 0.5B
+# (2026-12-03 04:03) but its cold compile, ~70 s beside the engine's start, made the time to first step
+# from a cold host (85 s against TRL's 52 s at 16:32). At 1.5B the trainer paces one engine, compiled
+# (1.30-1.41x): rlfleet's defaults.
+FLEET_SHAPE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # workload -> (algo, generation) options
+    "0.5b": ({"compile": False}, {"replicas": 2}),
+    "1.5b": ({}, {}),
+}
 
 # lever -> (algo options, vllm options, generation options, flow options, run options) on top of that
 # configuration.
@@ -136,18 +150,20 @@ LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str
     # 71% utilization); a batch may then be two versions old, so generation runs one more step ahead.
     "stale2": ({}, {}, {}, {"max_staleness": 2}, {}),
     "chunked": ({"logprob_chunk_tokens": 1024}, {}, {}, {}, {}),
-    "eager": ({"compile": False}, {}, {}, {}, {}),
+    # The 0.5B configuration's two choices taken back one at a time: one engine process, and the
+    # trainer and the reference compiled.
+    "rep1": ({}, {}, {"replicas": 1}, {}, {}),
+    "compiled": ({"compile": True}, {}, {}, {}, {}),
     # At 0.5B generation runs at 60-65% of its speed alone while the GPU idles 40% (2026-12-03): the
     # processes' kernels time-slice. Under CUDA MPS they run side by side: 0.75x on 2026-12-03 11:11
     # (the trainer sped up, the generation that paces the step slowed).
     "mps": ({}, {}, {}, {}, {"cuda_mps": True}),
-    # At 0.5B one Python thread, vLLM's scheduler, paces decoding (py-spy on 2026-12-03 21:38: the
-    # engine's main thread busy all the time, the GPU 20-28% busy while generation runs alone). Two
-    # engine processes on the GPU take half the sequences each, on two cores.
-    "rep2": ({}, {}, {"replicas": 2}, {}, {}),
     # The same thread's per-token prefix-cache work (block hashes, caching) left out.
     "nopc": ({}, {"prefix_caching": False}, {}, {}, {}),
 }
+# At 1.5B the trainer is the step (actor_train 4.0 of 4.2 s eagerly on 2026-12-02 16:42): compile is its lever.
+EAGER: tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]] = (
+    {"compile": False}, {}, {}, {}, {})
 # What a CPU dry run can start: no vLLM (its options are refused by the transformers engine) and no
 # inductor (minutes per graph on two cores; tests/unit/test_trainer_levers.py checks compile).
 DRY_LEVERS = {"logprob_chunk_tokens": 2}
@@ -168,10 +184,10 @@ def phases() -> list[Phase]:
     # 54.2 samples/s at 0.5B at 16:42): a first run of each shape and a second at 0.5B, then `peers2` with
     # the rest of its repeats and TRL with `generate` (the second peer row). `mps`, measured at 0.75x
     # on 2026-12-03 11:11, left `peers2` for `levers`, so that the four calls leave a session slack for
-    # a machine that is taken back; `rep2` (92% utilization at 0.5B on 2026-12-03 22:08, its second
-    # engine starting after the first: ~60 s more) and `stale2` (+11% eager on 2026-12-03 04:18) lead `levers2`.
+    # a machine that is taken back; `rep1` and `compiled`, the 0.5B configuration's two choices taken
+    # back, and `stale2` (+11% eager on 2026-12-03 04:18) lead `levers2`.
     est = {"fleet-1.5b-r1": 170, "fleet-1.5b": 115, "vllm-alone-1.5b": 65, "train-alone-1.5b": 60,
-           "fleet-0.5b-r1": 120, "fleet-0.5b": 100, "vllm-alone-0.5b": 55, "train-alone-0.5b": 45,
+           "fleet-0.5b-r1": 130, "fleet-0.5b": 100, "vllm-alone-0.5b": 55, "train-alone-0.5b": 45,
            "trl-vllm-1.5b": 170, "trl-vllm-1.5b-warm": 100, "trl-vllm-0.5b": 105, "trl-vllm-0.5b-warm": 90,
            "trl-0.5b": 90, "lever": 100}
     for w in ("1.5b", "0.5b"):
@@ -187,16 +203,15 @@ def phases() -> list[Phase]:
             w = name.split("-")[2]
             out.append(Phase(name, "trl-vllm", w, group, est[f"trl-vllm-{w}" + ("-warm" if "-r" in name else "")]))
     out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
-    lever_group = {"rep2": "levers2", "stale2": "levers2", "eager": "levers2"}
+    lever_group = {"rep1": "levers2", "compiled": "levers2", "stale2": "levers2"}
     last = ("mps",)
     for lever in sorted(LEVERS, key=lambda n: list(lever_group).index(n) if n in lever_group
                         else len(lever_group) + (n in last)):
         algo_opts, vllm_opts, gen_opts, flow_opts, run_opts = LEVERS[lever]
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", lever_group.get(lever, "levers"),
-                         est["lever"] + {"lp": 45, "rep2": 60}.get(lever, 0), algo_opts=algo_opts, vllm_opts=vllm_opts,
-                         gen_opts=gen_opts, flow_opts=flow_opts, run_opts=run_opts, lever=lever))
-    # At 1.5B the trainer is the step (actor_train 4.0 of 4.2 s eagerly at 16:42): compile is its lever.
-    algo_opts, vllm_opts, gen_opts, flow_opts, _ = LEVERS["eager"]
+                         est["lever"] + {"lp": 45, "compiled": 30}.get(lever, 0), algo_opts=algo_opts,
+                         vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, run_opts=run_opts, lever=lever))
+    algo_opts, vllm_opts, gen_opts, flow_opts, _ = EAGER
     out.append(Phase("fleet-1.5b-eager", "fleet", "1.5b", "levers15", est["fleet-1.5b"], algo_opts=algo_opts,
                      vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, lever="eager"))
     out += [Phase("fleet-0.5b-ppo", "fleet", "0.5b", "extra", 200, algo="ppo"),
@@ -448,8 +463,9 @@ def fleet_config(p: Phase, model: Path, port_base: int, dry: bool = DRY) -> dict
                                       for n, i in PORTS.items()}
     for n in ("actor", "critic", "reference"):
         svc[n]["device"] = device
-    algo_opts = dict(p.algo_opts)
-    gen_opts = {**FLEET_GENERATION, **p.gen_opts}
+    shape_algo, shape_gen = FLEET_SHAPE[p.workload]
+    algo_opts = {**shape_algo, **p.algo_opts}
+    gen_opts = {**FLEET_GENERATION, **shape_gen, **p.gen_opts}
     # A lever's None takes an option of rlfleet's configuration back to vLLM's default.
     vllm_opts = {k: v for k, v in {**FLEET_VLLM, **p.vllm_opts}.items() if v is not None}
     if dry:
@@ -591,9 +607,10 @@ def engine_start_s(run_dir: Path) -> float | None:
     """Seconds the actor's engine took to come up: its process's (`engine process started`), else vLLM's
     own line (`vLLM engine: ... started in 42.0s`) of an engine in the actor's process."""
     logs = sorted((run_dir / "logs").glob("actor*.log")) if (run_dir / "logs").is_dir() else []
-    for rec in (r for log in logs for r in _records(log)):
-        if rec.get("msg") == "engine process started" and isinstance(rec.get("seconds"), int | float):
-            return float(rec["seconds"])
+    started = [float(r["seconds"]) for log in logs for r in _records(log)
+               if r.get("msg") == "engine process started" and isinstance(r.get("seconds"), int | float)]
+    if started:  # replicas start together: the last one up
+        return max(started)
     for log in logs:
         m = re.search(r"vLLM engine: .* started in ([0-9.]+)s", log.read_text(errors="replace"))
         if m:
@@ -642,9 +659,16 @@ def startup_timeline(run_dir: Path, t0: float) -> dict[str, dict[str, float]]:
         ready = next((t for t, r in recs if r.get("msg") == "state changed" and r.get("to") == "ready"), None)
         if ready is not None:
             row["ready_s"] = round(ready - t0, 1)
-        eng = next((r.get("seconds") for _, r in recs if r.get("msg") == "engine process started"), None)
-        if isinstance(eng, int | float):
-            row["engine_s"] = float(eng)
+        # Engine replicas start together, each logging its own start: the set is up with the last.
+        eng = [float(r["seconds"]) for _, r in recs
+               if r.get("msg") == "engine process started" and isinstance(r.get("seconds"), int | float)]
+        if eng:
+            row["engine_s"] = max(eng)
+        # The actor's trainer, built and compiled while its engine starts.
+        trainer = next((r.get("seconds") for _, r in recs if r.get("msg") == "trainer built while the engine starts"),
+                       None)
+        if isinstance(trainer, int | float):
+            row["trainer_s"] = float(trainer)
         # The controller retries the trainables' GetState until they answer: the last failure is when
         # it could first reach them (on 2026-12-02, gRPC's reconnect backoff: 25-61 s after the actor
         # was ready).

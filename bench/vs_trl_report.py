@@ -42,8 +42,14 @@ LEVER_LABEL = {"lp": "vLLM's per-token log-probs and default CUDA-graph sizes (`
                "stale2": "a batch up to two versions old (`flow.max_staleness: 2`)",
                "chunked": "chunked log-probs (`algo.logprob_chunk_tokens: 1024`)",
                "mps": "CUDA MPS: the services' kernels side by side on the GPU (`run.cuda_mps`)",
+               "rep1": "one vLLM engine process instead of two (`generation.replicas: 1`)",
+               "compiled": "the trainer's and the reference's layers and log-prob steps torch.compiled"
+                           " (`algo.compile: true`)",
+               "nopc": "no prefix caching in vLLM (`generation.vllm.prefix_caching: false`)",
                "eager": "no torch.compile of the trainer's and the reference's layers and log-prob steps"
                         " (`algo.compile: false`; the configuration before 2026-12-03)"}
+# Levers that run at one other shape only (every other lever is a change to the 0.5B configuration).
+LEVER_SHAPE = {"eager": "1.5b"}
 EXTRA_LABEL = {"trl-0.5b": "TRL GRPOTrainer (`model.generate`)", "fleet-0.5b-ppo": "rlfleet PPO + critic",
                "fleet-0.5b-hf": "rlfleet GRPO, transformers engine",
                "fleet-0.5b-inproc": "rlfleet GRPO, vLLM in the actor's process"}
@@ -299,6 +305,8 @@ def _startup(reps: list[dict[str, Any]]) -> str:
             part += f" (services started at {row['services_started_s']:.0f})"
         if row.get("engine_s"):
             part += f" (engine process {row['engine_s']:.0f} s)"
+        if row.get("trainer_s"):
+            part += f" (trainer built and compiled beside it {row['trainer_s']:.0f} s)"
         if row.get("last_rpc_retry_s"):
             part += f" (an RPC to a peer failed until {row['last_rpc_retry_s']:.0f})"
         parts.append(part)
@@ -469,7 +477,7 @@ def render(res: dict[str, Any]) -> str:
                   " | vLLM start s |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         base = sums[w].get("samples_per_s")
-        for lever in LEVER_LABEL if w == "0.5b" else measured:
+        for lever in [lv for lv in LEVER_LABEL if LEVER_SHAPE.get(lv, "0.5b") == w] if w == "0.5b" else measured:
             label = LEVER_LABEL[lever]
             p = ph.get(f"fleet-{w}-{lever}", {})
             if not p.get("ok"):

@@ -84,6 +84,16 @@ def make_engine(
     return build_engine(name, model_path, dtype=dtype, device=device, micro_batch=micro_batch, **options)
 
 
+def replica_cache_dir(root: str | None, replica: int) -> str:
+    """vLLM's cache root for engine replica `replica` > 0: `replica<r>` under the configured root
+    (`generation.vllm.compile_cache_dir`), else under vLLM's own (VLLM_CACHE_ROOT, else
+    $XDG_CACHE_HOME/vllm or ~/.cache/vllm). Replica 0 keeps the root a single engine uses."""
+    if root is None:
+        root = os.environ.get("VLLM_CACHE_ROOT") or str(
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm")
+    return str(Path(root).expanduser() / f"replica{replica}")
+
+
 def _make_replicas(name: str, model_path: Path, replicas: int, tp: int, weight_transfer: Any,
                    transfer: dict[str, Any], **kw: Any) -> GenerationEngine:
     import torch
@@ -105,6 +115,10 @@ def _make_replicas(name: str, model_path: Path, replicas: int, tp: int, weight_t
         # The trainer (rank 0) runs on the first of the actor's GPUs: replicas elsewhere cannot
         # open its CUDA IPC handles.
         how = resolve(weight_transfer, shares_trainer_device=not layout.devices[r] or 0 in layout.ordinals[r])
+        if name == "vllm" and r > 0:
+            # Replicas start together, so each compiles into (or loads from) a vLLM cache of its own,
+            # as vLLM's own data-parallel ranks do: none reads another's artefacts half written.
+            rkw = dict(rkw, compile_cache_dir=replica_cache_dir(rkw.get("compile_cache_dir"), r))
         return ProcessEngine(name, model_path, visible_devices=pinned, label=f"-replica{r}",
                              threads=threads, transfer=how, **transfer, **rkw)
 
@@ -114,15 +128,12 @@ def _make_replicas(name: str, model_path: Path, replicas: int, tp: int, weight_t
                 and not os.environ.get("RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES"))
     engines: list[GenerationEngine] = []
     try:
-        # The first replica alone: it compiles (vLLM's graphs, on a cold host about a minute) into the
-        # cache the others then load, instead of all of them compiling the same graphs at once.
-        engines.append(start(0))
         if profiles:
-            for r in range(1, replicas):
+            for r in range(replicas):
                 engines.append(start(r))
         else:
-            with ThreadPoolExecutor(max_workers=replicas - 1, thread_name_prefix="engine-start") as pool:
-                futures = [pool.submit(start, r) for r in range(1, replicas)]
+            with ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="engine-start") as pool:
+                futures = [pool.submit(start, r) for r in range(replicas)]
             engines += [f.result() for f in futures if f.exception() is None]
             failed = next((f.exception() for f in futures if f.exception() is not None), None)
             if failed is not None:

@@ -98,7 +98,8 @@ def test_targets_say_met_or_missed_and_what_holds_a_miss_back() -> None:
     assert "| **rlfleet, median of 3** (spread 10%) | **84.0** |" in md
     assert "| chunked log-probs (`algo.logprob_chunk_tokens: 1024`) | 90.0 | 1.07× |" in md
     assert "| vLLM's per-token log-probs and default CUDA-graph sizes" in md
-    assert f"| {rep.LEVER_LABEL['eager']} | not measured: not run |" in md
+    assert f"| {rep.LEVER_LABEL['rep1']} | not measured: not run |" in md
+    assert rep.LEVER_LABEL["eager"] not in md  # a 1.5B lever: not in the 0.5B table
     assert "### Levers (1.5B" not in md  # another shape lists only the levers it ran
 
 
@@ -227,9 +228,20 @@ def test_the_fleet_repeats_run_rlfleets_configuration_and_the_lp_lever_takes_it_
     assert "cuda_mps" not in fleet_config(rep1, Path("/m"), 0, dry=False)["run"]
     # 0.75x on 2026-12-03: out of the four calls a session runs, the last lever of the last group.
     assert mps not in select("peers2") and select("levers")[-1] == mps
-    (rep2,) = select("fleet-0.5b-rep2")  # two engine processes: 92% utilization at 0.5B, first in line
-    assert fleet_config(rep2, Path("/m"), 0, dry=False)["generation"]["replicas"] == 2
-    assert select("levers2")[0] == rep2 and "replicas" not in base
+    # 0.5B: two engine processes and an eager trainer; the levers rep1 and compiled take each back.
+    assert base["replicas"] == 2 and fleet_config(rep1, Path("/m"), 0, dry=False)["algo"]["compile"] is False
+    (one,) = select("fleet-0.5b-rep1")
+    (compiled,) = select("fleet-0.5b-compiled")
+    assert fleet_config(one, Path("/m"), 0, dry=False)["generation"]["replicas"] == 1
+    assert fleet_config(compiled, Path("/m"), 0, dry=False)["algo"]["compile"] is True
+    assert select("levers2")[:2] == [one, compiled]
+    # 1.5B: one engine, compiled (rlfleet's defaults); `eager` is its lever.
+    (big,) = select("fleet-1.5b-r1")
+    big_cfg = fleet_config(big, Path("/m"), 0, dry=False)
+    assert "replicas" not in big_cfg["generation"] and "compile" not in big_cfg["algo"]
+    (eager,) = select("fleet-1.5b-eager")
+    assert fleet_config(eager, Path("/m"), 0, dry=False)["algo"]["compile"] is False
+    assert "fleet-0.5b-eager" not in {p.name for p in select("all")}
     (nopc,) = select("fleet-0.5b-nopc")
     assert fleet_config(nopc, Path("/m"), 0, dry=False)["generation"]["vllm"]["prefix_caching"] is False
     assert "prefix_caching" not in base["vllm"]
@@ -364,7 +376,10 @@ def test_the_start_up_timeline_reads_each_services_json_log(tmp_path: Path) -> N
 
     buf = io.StringIO()
     buf.write("INFO 12-01 vLLM's own plain line\n")
-    for at, msg, extra in ((t0 + 9.5, "serving", {}), (t0 + 70.2, "engine process started", {"seconds": 58.4}),
+    # Two engine replicas start together (the set is up with the last) while the trainer is built.
+    for at, msg, extra in ((t0 + 9.5, "serving", {}), (t0 + 66.0, "engine process started", {"seconds": 54.0}),
+                           (t0 + 68.5, "trainer built while the engine starts", {"seconds": 57.1}),
+                           (t0 + 70.2, "engine process started", {"seconds": 58.4}),
                            (t0 + 71.0, "state changed", {"from": "starting", "to": "ready"})):
         buf.write(line("actor", at, msg, **extra) + "\n")
     (logs / "actor.log").write_text(buf.getvalue())
@@ -381,7 +396,7 @@ def test_the_start_up_timeline_reads_each_services_json_log(tmp_path: Path) -> N
             (4.2, "service started", {"child": "reward"}), (4.4, "service started", {"child": "actor"}),
             (71.5, "all services ready", {}))) + "\n")
     tl = startup_timeline(tmp_path, t0)
-    assert tl == {"actor": {"first_log_s": 9.5, "ready_s": 71.0, "engine_s": 58.4},
+    assert tl == {"actor": {"first_log_s": 9.5, "ready_s": 71.0, "engine_s": 58.4, "trainer_s": 57.1},
                   "controller": {"first_log_s": 5.0, "ready_s": 5.0, "last_rpc_retry_s": 95.0},
                   "launcher": {"first_log_s": 1.5, "services_started_s": 4.2, "ready_s": 71.5},
                   "reward": {"first_log_s": 6.0, "ready_s": 8.0}}
@@ -389,7 +404,8 @@ def test_the_start_up_timeline_reads_each_services_json_log(tmp_path: Path) -> N
     md = rep.render({**_result([80.0], [40.0]), "phases": {
         **_result([80.0], [40.0])["phases"], "fleet-0.5b-r1": {**_fleet(80.0, 60.0), "startup": tl}}})
     assert ("controller 5 → 5 (an RPC to a peer failed until 95), reward 6 → 8, actor 10 → 71"
-            " (engine process 58 s), launcher 2 → 72 (services started at 4)") in md
+            " (engine process 58 s) (trainer built and compiled beside it 57 s), launcher 2 → 72"
+            " (services started at 4)") in md
 
 
 

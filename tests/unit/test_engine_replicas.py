@@ -228,6 +228,7 @@ class _Starting:
     """Stands in for a ProcessEngine: records when its start began and ended."""
 
     spans: ClassVar[dict[str, tuple[float, float]]] = {}
+    options: ClassVar[dict[str, dict[str, object]]] = {}
     fail: ClassVar[str | None] = None
 
     def __init__(self, name: str, model_path: Path, *, label: str = "", **kw: object) -> None:
@@ -236,6 +237,7 @@ class _Starting:
         t0 = time.monotonic()
         time.sleep(0.3)
         _Starting.spans[label] = (t0, time.monotonic())
+        _Starting.options[label] = kw
         if label == _Starting.fail:
             raise EngineError(f"{label} did not start")
         self.version, self.closed = 0, False
@@ -245,7 +247,7 @@ class _Starting:
 
 
 @pytest.mark.parametrize(("kv_fixed", "together"), [(True, True), (False, False)])
-def test_replicas_on_one_gpu_start_after_the_first_and_together_unless_vllm_profiles_free_memory(
+def test_replicas_on_one_gpu_start_together_unless_vllm_profiles_free_memory(
         monkeypatch: pytest.MonkeyPatch, kv_fixed: bool, together: bool) -> None:
     import services.models.engine_proc as engine_proc
 
@@ -256,10 +258,35 @@ def test_replicas_on_one_gpu_start_after_the_first_and_together_unless_vllm_prof
     opts: dict[str, Any] = {"kv_cache_memory_bytes": 2**30} if kv_fixed else {}
     eng = make_engine("vllm", Path("/m"), device="cuda", replicas=3, gpu_memory_utilization=0.6, **opts)
     assert isinstance(eng, ReplicaEngine) and len(eng.engines) == 3
-    first, second, third = (_Starting.spans[f"-replica{r}"] for r in range(3))
-    assert second[0] >= first[1] and third[0] >= first[1]  # the first alone: it fills vLLM's compile cache
-    overlap = min(second[1], third[1]) > max(second[0], third[0])
+    spans = [_Starting.spans[f"-replica{r}"] for r in range(3)]
+    overlap = min(end for _, end in spans) > max(start for start, _ in spans)
     assert overlap is together
+    if not together:  # one after the other
+        assert spans[1][0] >= spans[0][1] and spans[2][0] >= spans[1][1]
+
+
+def test_vllm_replicas_after_the_first_compile_into_caches_of_their_own(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import services.models.engine_proc as engine_proc
+
+    monkeypatch.setattr(engine_proc, "ProcessEngine", _Starting)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    _Starting.spans, _Starting.fail, _Starting.options = {}, None, {}
+    make_engine("vllm", Path("/m"), device="cuda", replicas=3, kv_cache_memory_bytes=2**30,
+                compile_cache_dir=str(tmp_path / "vc"))
+    caches = [_Starting.options[f"-replica{r}"].get("compile_cache_dir") for r in range(3)]
+    assert caches == [str(tmp_path / "vc"), str(tmp_path / "vc" / "replica1"), str(tmp_path / "vc" / "replica2")]
+    # Without a configured cache: under vLLM's own root, which a single engine and replica 0 use as is.
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
+    _Starting.options = {}
+    make_engine("vllm", Path("/m"), device="cuda", replicas=2, kv_cache_memory_bytes=2**30)
+    assert "compile_cache_dir" not in _Starting.options["-replica0"]
+    assert _Starting.options["-replica1"]["compile_cache_dir"] == str(tmp_path / "root" / "replica1")
+    monkeypatch.delenv("VLLM_CACHE_ROOT")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    _Starting.options = {}
+    make_engine("vllm", Path("/m"), device="cuda", replicas=2, kv_cache_memory_bytes=2**30)
+    assert _Starting.options["-replica1"]["compile_cache_dir"] == str(tmp_path / "xdg" / "vllm" / "replica1")
 
 
 def test_a_replica_that_fails_to_start_closes_the_ones_that_started(monkeypatch: pytest.MonkeyPatch) -> None:
