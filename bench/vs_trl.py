@@ -16,7 +16,7 @@ device call of at most 10 minutes (`plan` prints the estimates, seconds measured
 2026-12-02), in the order one 30-minute device session runs them: `1.5b` (the three 1.5B fleet
 repeats, vLLM alone, trainer and reference alone), `0.5b` (the same at 0.5B), `peers` (TRL with vLLM,
 both workloads, and a second run at 0.5B), `peers2` (TRL with vLLM's other repeats, TRL with
-generate); `levers2` (`rep1`, `compiled`, then `stale2`) and `levers` (`lp`, the 0.5B fleet with vLLM's
+generate); `levers2` (`compiled`, `rep2`, then `stale2`) and `levers` (`lp`, the 0.5B fleet with vLLM's
 log-prob output, `chunked`, then `mps`) get what is left. A run first checks, in seconds, that every service and both
 peers import on the host, and skips a phase that would not finish before `--deadline-s`.
 
@@ -26,8 +26,7 @@ peers import on the host, and skips a phase that would not finish before `--dead
   times: median and spread. rlfleet's configuration for this workload (`FLEET_GENERATION`, `FLEET_VLLM`,
   `FLEET_SHAPE`): the trainer's proximal log-probs score every batch (`generation.behaviour_logprobs:
   trainer`, no per-token log-probs from vLLM) and vLLM captures CUDA graphs up to the 256 sequences of a
-  step; at 0.5B two engine processes share the GPU (`generation.replicas: 2`) and the trainer and the
-  reference run eagerly (`algo.compile: false`), at 1.5B one engine and both compiled. A
+  step; at 0.5B the trainer and the reference run eagerly (`algo.compile: false`), at 1.5B compiled. A
   phase is stopped as soon as its last measured step is in: no final checkpoint or export.
 - `vllm-alone-<w>`: the engine the fleet's actor starts (same options, environment and sampler), driven by
   vLLM's own `LLM.generate` on one step's prompts, plain and with per-token log-probs: the generation
@@ -37,8 +36,8 @@ peers import on the host, and skips a phase that would not finish before `--dead
   sharing the GPU with generation.
 - `trl-0.5b`: TRL with `model.generate` (the second peer row).
 - `fleet-0.5b-<lever>`: one change to `fleet-0.5b`: `lp` (vLLM's per-token log-probs and its default
-  CUDA-graph sizes: the configuration of the 2026-12-01 run), `rep1` (one engine process, not two),
-  `compiled` (algo.compile true: the trainer and the reference compiled), `nopc`
+  CUDA-graph sizes: the configuration of the 2026-12-01 run), `compiled` (algo.compile true: the trainer
+  and the reference compiled), `rep2` (generation.replicas 2: two engine processes on the GPU), `nopc`
   (generation.vllm.prefix_caching false), `stale2` (flow.max_staleness 2), `chunked`
   (algo.logprob_chunk_tokens), `mps` (run.cuda_mps: the services as clients of a CUDA MPS daemon); at
   1.5B `eager` (algo.compile false: no torch.compile). Fused AdamW, a
@@ -128,15 +127,13 @@ class Phase:
 # the engine starts (a step's 256 sequences at max_model_len 512 need 1.5 GiB at 0.5B, 3.5 GiB at 1.5B).
 FLEET_GENERATION: dict[str, Any] = {"behaviour_logprobs": "trainer"}
 FLEET_VLLM: dict[str, Any] = {"cudagraph_max_batch": W["prompts_per_step"] * W["group"], "kv_cache_gib": 8}
-# Per shape, on top of that: at 0.5B one Python thread, vLLM's scheduler, paces a single engine's
-# decoding (py-spy, 2026-12-03 21:38: the GPU 20-28% busy while generation runs alone), so two engine
-# processes share the GPU, each with half the sequences (generation 2.11 -> 1.33 s, 92% utilization,
-# 2026-12-03 22:08). The trainer then paces the step, eagerly: torch.compile gained 4-9% at 0.5B
-# (2026-12-03 04:03) but its cold compile, ~70 s beside the engine's start, made the time to first step
-# from a cold host (85 s against TRL's 52 s at 16:32). At 1.5B the trainer paces one engine, compiled
-# (1.30-1.41x): rlfleet's defaults.
+# Per shape, on top of that: at 0.5B the trainer and the reference run eagerly. torch.compile gained
+# 4-9% there (2026-12-03 04:03), but its cold compile, ~60 s beside the engine's start, set the time to
+# first step from a cold host (85 s against TRL's 52 s at 16:32); eagerly the trainer's longer step
+# also paces the one engine evenly (2026-12-04 01:31: spread 6%, utilization 92%, against 19% and 70%
+# compiled at 16:32). At 1.5B the trainer is the step and compiled (1.30-1.41x): rlfleet's defaults.
 FLEET_SHAPE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # workload -> (algo, generation) options
-    "0.5b": ({"compile": False}, {"replicas": 2}),
+    "0.5b": ({"compile": False}, {}),
     "1.5b": ({}, {}),
 }
 
@@ -150,10 +147,13 @@ LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str
     # 71% utilization); a batch may then be two versions old, so generation runs one more step ahead.
     "stale2": ({}, {}, {}, {"max_staleness": 2}, {}),
     "chunked": ({"logprob_chunk_tokens": 1024}, {}, {}, {}, {}),
-    # The 0.5B configuration's two choices taken back one at a time: one engine process, and the
-    # trainer and the reference compiled.
-    "rep1": ({}, {}, {"replicas": 1}, {}, {}),
+    # The 0.5B configuration's eager trainer and reference taken back: both compiled.
     "compiled": ({"compile": True}, {}, {}, {}, {}),
+    # At 0.5B one Python thread, vLLM's scheduler, paces decoding (py-spy on 2026-12-03 21:38: the
+    # engine's main thread busy all the time, the GPU 20-28% busy while generation runs alone). Two
+    # engine processes on the GPU take half the sequences each, on two cores (generation 2.11 -> 1.33 s
+    # on 2026-12-03 22:08, compiled; eagerly on 2026-12-04 the trainer then slowed by more than that).
+    "rep2": ({}, {}, {"replicas": 2}, {}, {}),
     # At 0.5B generation runs at 60-65% of its speed alone while the GPU idles 40% (2026-12-03): the
     # processes' kernels time-slice. Under CUDA MPS they run side by side: 0.75x on 2026-12-03 11:11
     # (the trainer sped up, the generation that paces the step slowed).
@@ -184,10 +184,10 @@ def phases() -> list[Phase]:
     # 54.2 samples/s at 0.5B at 16:42): a first run of each shape and a second at 0.5B, then `peers2` with
     # the rest of its repeats and TRL with `generate` (the second peer row). `mps`, measured at 0.75x
     # on 2026-12-03 11:11, left `peers2` for `levers`, so that the four calls leave a session slack for
-    # a machine that is taken back; `rep1` and `compiled`, the 0.5B configuration's two choices taken
-    # back, and `stale2` (+11% eager on 2026-12-03 04:18) lead `levers2`.
+    # a machine that is taken back; `compiled` (the 0.5B configuration's eager trainer taken back), `rep2`
+    # (two engine processes) and `stale2` (+11% eager on 2026-12-03 04:18) make `levers2`.
     est = {"fleet-1.5b-r1": 170, "fleet-1.5b": 115, "vllm-alone-1.5b": 65, "train-alone-1.5b": 60,
-           "fleet-0.5b-r1": 130, "fleet-0.5b": 100, "vllm-alone-0.5b": 55, "train-alone-0.5b": 45,
+           "fleet-0.5b-r1": 120, "fleet-0.5b": 100, "vllm-alone-0.5b": 55, "train-alone-0.5b": 45,
            "trl-vllm-1.5b": 170, "trl-vllm-1.5b-warm": 100, "trl-vllm-0.5b": 105, "trl-vllm-0.5b-warm": 90,
            "trl-0.5b": 90, "lever": 100}
     for w in ("1.5b", "0.5b"):
@@ -203,13 +203,13 @@ def phases() -> list[Phase]:
             w = name.split("-")[2]
             out.append(Phase(name, "trl-vllm", w, group, est[f"trl-vllm-{w}" + ("-warm" if "-r" in name else "")]))
     out.append(Phase("trl-0.5b", "trl", "0.5b", "peers2", est["trl-0.5b"]))
-    lever_group = {"rep1": "levers2", "compiled": "levers2", "stale2": "levers2"}
+    lever_group = {"compiled": "levers2", "rep2": "levers2", "stale2": "levers2"}
     last = ("mps",)
     for lever in sorted(LEVERS, key=lambda n: list(lever_group).index(n) if n in lever_group
                         else len(lever_group) + (n in last)):
         algo_opts, vllm_opts, gen_opts, flow_opts, run_opts = LEVERS[lever]
         out.append(Phase(f"fleet-0.5b-{lever}", "fleet", "0.5b", lever_group.get(lever, "levers"),
-                         est["lever"] + {"lp": 45, "compiled": 30}.get(lever, 0), algo_opts=algo_opts,
+                         est["lever"] + {"lp": 45, "compiled": 30, "rep2": 20}.get(lever, 0), algo_opts=algo_opts,
                          vllm_opts=vllm_opts, gen_opts=gen_opts, flow_opts=flow_opts, run_opts=run_opts, lever=lever))
     algo_opts, vllm_opts, gen_opts, flow_opts, _ = EAGER
     out.append(Phase("fleet-1.5b-eager", "fleet", "1.5b", "levers15", est["fleet-1.5b"], algo_opts=algo_opts,
@@ -877,8 +877,15 @@ def run_phase(p: Phase, cap: float, gpu: GpuSampler, done: dict[str, Any], index
         same = next((k for k, v in done.items() if v.get("effective") == eff and v.get("ok")), None)
         if same:
             return {**done[same], **checked, "reused_from": same}
-        return {**phase_fleet(p, cap, gpu, 51100 + 20 * (index % 40)), **checked}
-    return phase_fleet(p, cap, gpu, 51100 + 20 * (index % 40))
+        return {**phase_fleet(p, cap, gpu, port_base(index)), **checked}
+    return phase_fleet(p, cap, gpu, port_base(index))
+
+
+def port_base(index: int) -> int:
+    """The first of a fleet phase's 20 fixed loopback ports, a range of its own per phase. Below Linux's
+    ephemeral range (32768-60999): on 2026-12-04 a repeat's service could not bind its port in 51100+
+    (EADDRINUSE), most likely taken meanwhile as the local end of some process's outgoing connection."""
+    return 21100 + 20 * (index % 40)
 
 
 def host_snapshot() -> dict[str, Any]:

@@ -42,7 +42,7 @@ LEVER_LABEL = {"lp": "vLLM's per-token log-probs and default CUDA-graph sizes (`
                "stale2": "a batch up to two versions old (`flow.max_staleness: 2`)",
                "chunked": "chunked log-probs (`algo.logprob_chunk_tokens: 1024`)",
                "mps": "CUDA MPS: the services' kernels side by side on the GPU (`run.cuda_mps`)",
-               "rep1": "one vLLM engine process instead of two (`generation.replicas: 1`)",
+               "rep2": "two vLLM engine processes on the GPU, half the sequences each (`generation.replicas: 2`)",
                "compiled": "the trainer's and the reference's layers and log-prob steps torch.compiled"
                            " (`algo.compile: true`)",
                "nopc": "no prefix caching in vLLM (`generation.vllm.prefix_caching: false`)",

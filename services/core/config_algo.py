@@ -105,7 +105,10 @@ class AlgoSection(_Strict):
     on for a role on one CUDA GPU (on an H200, 1.3-1.4x the fleet's samples/s at 1.5B, BENCHMARKS.md),
     off on the CPU (Inductor's C++ builds take minutes, longer than a small CPU run gains) and for a
     role sharded over several GPUs (untested with FSDP). Both compile at start-up, on small batches of
-    two shapes, so that the first step runs compiled code (Inductor's on-disk cache speeds restarts)."""
+    two shapes, so that the first step runs compiled code (Inductor's on-disk cache speeds restarts).
+    false suits a small model whose generation is cheap: at 0.5B on an H200 the compile gained 4-9% but
+    its cold start (~60 s) set the time to the first step, and the eager trainer paced the step more
+    evenly (BENCHMARKS.md, 2026-12-04)."""
 
     @model_validator(mode="before")
     @classmethod

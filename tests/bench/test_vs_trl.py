@@ -98,7 +98,7 @@ def test_targets_say_met_or_missed_and_what_holds_a_miss_back() -> None:
     assert "| **rlfleet, median of 3** (spread 10%) | **84.0** |" in md
     assert "| chunked log-probs (`algo.logprob_chunk_tokens: 1024`) | 90.0 | 1.07× |" in md
     assert "| vLLM's per-token log-probs and default CUDA-graph sizes" in md
-    assert f"| {rep.LEVER_LABEL['rep1']} | not measured: not run |" in md
+    assert f"| {rep.LEVER_LABEL['rep2']} | not measured: not run |" in md
     assert rep.LEVER_LABEL["eager"] not in md  # a 1.5B lever: not in the 0.5B table
     assert "### Levers (1.5B" not in md  # another shape lists only the levers it ran
 
@@ -228,13 +228,13 @@ def test_the_fleet_repeats_run_rlfleets_configuration_and_the_lp_lever_takes_it_
     assert "cuda_mps" not in fleet_config(rep1, Path("/m"), 0, dry=False)["run"]
     # 0.75x on 2026-12-03: out of the four calls a session runs, the last lever of the last group.
     assert mps not in select("peers2") and select("levers")[-1] == mps
-    # 0.5B: two engine processes and an eager trainer; the levers rep1 and compiled take each back.
-    assert base["replicas"] == 2 and fleet_config(rep1, Path("/m"), 0, dry=False)["algo"]["compile"] is False
-    (one,) = select("fleet-0.5b-rep1")
+    # 0.5B: an eager trainer and reference; the lever `compiled` takes it back, `rep2` adds an engine.
+    assert "replicas" not in base and fleet_config(rep1, Path("/m"), 0, dry=False)["algo"]["compile"] is False
     (compiled,) = select("fleet-0.5b-compiled")
-    assert fleet_config(one, Path("/m"), 0, dry=False)["generation"]["replicas"] == 1
+    (two,) = select("fleet-0.5b-rep2")
     assert fleet_config(compiled, Path("/m"), 0, dry=False)["algo"]["compile"] is True
-    assert select("levers2")[:2] == [one, compiled]
+    assert fleet_config(two, Path("/m"), 0, dry=False)["generation"]["replicas"] == 2
+    assert select("levers2")[:2] == [compiled, two]
     # 1.5B: one engine, compiled (rlfleet's defaults); `eager` is its lever.
     (big,) = select("fleet-1.5b-r1")
     big_cfg = fleet_config(big, Path("/m"), 0, dry=False)
@@ -245,6 +245,17 @@ def test_the_fleet_repeats_run_rlfleets_configuration_and_the_lp_lever_takes_it_
     (nopc,) = select("fleet-0.5b-nopc")
     assert fleet_config(nopc, Path("/m"), 0, dry=False)["generation"]["vllm"]["prefix_caching"] is False
     assert "prefix_caching" not in base["vllm"]
+
+
+def test_fleet_phases_take_loopback_ports_of_their_own_below_the_ephemeral_range() -> None:
+    # Fixed ports in Linux's ephemeral range (32768-60999) can be taken as the local end of any outgoing
+    # connection between the launcher's check and the service's bind (a repeat failed so on 2026-12-04).
+    from bench.vs_trl import PORTS, port_base, select
+
+    n = len(select("all"))
+    ranges = [range(port_base(i), port_base(i) + 10 + len(PORTS)) for i in range(n)]
+    assert all(r.start >= 1024 and r.stop <= 32768 for r in ranges)
+    assert len({p for r in ranges for p in r}) == sum(len(r) for r in ranges)  # no two phases share a port
 
 
 def test_a_run_refuses_fewer_measured_steps_than_a_median_and_a_spread_need(tmp_path: Path) -> None:
