@@ -193,7 +193,7 @@ def _stats_read_back(fn: Callable[P, tuple[Tensor, dict[str, Tensor]]]) -> Calla
 policy_loss = _stats_read_back(policy_loss_terms)
 
 
-def value_loss(
+def value_loss_terms(
     values: Tensor,
     old_values: Tensor,
     returns: Tensor,
@@ -201,12 +201,13 @@ def value_loss(
     clip: float | None,
     agg: AggMode = "token_mean",
     norm_len: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss 0.5 * max((v - R)^2, (v_clipped - R)^2); unclipped when `clip` is None.
 
     Clipping around the values the rollout was scored with keeps one critic step from moving far
-    on a batch it has already fitted. Stats: `vf_clip_frac` (tokens where the clipped term wins and
-    the gradient is cut), `value_mean` (over masked tokens).
+    on a batch it has already fitted. Stats, as 0-d tensors on the values' device (`value_loss` reads
+    them back): `vf_clip_frac` (tokens where the clipped term wins and the gradient is cut),
+    `value_mean` (over masked tokens).
     """
     _check_mode(agg)
     _check_same(values, old_values=old_values, returns=returns)
@@ -229,8 +230,10 @@ def value_loss(
         clipped = m & (vf_clipped > vf)
     loss = aggregate(loss_mat, m, agg, norm_len).to(values.dtype)
     with torch.no_grad():
-        clip_frac, value_mean = torch.stack([masked_mean(clipped.to(acc), m), masked_mean(v, m)]).tolist()
-    return loss, {"vf_clip_frac": clip_frac, "value_mean": value_mean}
+        return loss, {"vf_clip_frac": masked_mean(clipped.to(acc), m), "value_mean": masked_mean(v, m)}
+
+
+value_loss = _stats_read_back(value_loss_terms)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -8,13 +8,14 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from services.core.config import AlgoSection, BehaviourLogprobs
 from services.models.critic import ValueModel
 from services.models.logprobs import COMPILE_BACKEND, CompileCount, compile_decoder, response_logprobs, wants_compile
 from services.models.lora import is_lora
 from services.rl.batch import Rollout
-from services.rl.losses import aggregate, kl_loss, policy_loss_terms, value_loss
+from services.rl.losses import aggregate, kl_loss, policy_loss_terms, value_loss_terms
 from services.rl.micro import MicroBatch, part_of, plan, score_rows
 from services.rl.packing import packed_logprobs, packed_values
 from services.rl.warmup import full_prompt, warm_up_rollouts
@@ -239,9 +240,8 @@ class DeviceSums:
         self._sums: dict[str, torch.Tensor] = {}
 
     def add(self, key: str, value: torch.Tensor, weight: float) -> None:
-        full = getattr(value, "full_tensor", None)  # a sharded model's grad norm is a DTensor
-        if full is not None:
-            value = full()
+        if isinstance(value, DTensor):  # a sharded (FSDP) model's grad norm
+            value = value.full_tensor()
         v = weight * value.detach().to(torch.float64)  # a Python float's precision, as the sums had
         self._sums[key] = self._sums[key] + v if key in self._sums else v
 
@@ -289,22 +289,22 @@ class ValueTrainer:
             for idx in _minibatches(len(r), algo.minibatch_size, gen):
                 mb = r.select(idx)
                 self.opt.zero_grad(set_to_none=True)
-                sums: dict[str, float] = defaultdict(float)
+                sums = DeviceSums()
                 for m in self.split(mb, algo):
                     w = m.weight
                     part = part_of(mb, m).to(self.device)
                     v = self.values(part, m.bins)
-                    loss, st = value_loss(
+                    loss, st = value_loss_terms(
                         v, part.values, part.returns, part.response_mask, clip=algo.value_clip,  # type: ignore[arg-type]
                         agg=algo.loss_agg, norm_len=norm_len,
                     )
                     (loss * w).backward()
-                    sums["value_loss"] += w * float(loss.detach())
-                    for k, val in st.items():
-                        sums[k] += w * val
+                    sums.add("value_loss", loss, w)
+                    for k, stat in st.items():
+                        sums.add(k, stat, w)
                 nn.utils.clip_grad_norm_(self.model.parameters(), algo.max_grad_norm)
                 self.opt.step()
-                for k, val in sums.items():
+                for k, val in sums.read().items():
                     acc[k].append(val)
         self.model.eval()
         return _mean(acc)
