@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -38,3 +42,30 @@ def ragged_rollout(versions: list[int], b: int = 6, p: int = 3, r: int = 5, with
         group_ids=torch.arange(b) // 2, versions=torch.tensor(versions), version=max(versions),
         advantages=advantages, ref_logprobs=ref if with_ref else None,
     )
+
+
+T = TypeVar("T")
+
+
+def with_statistics_read_once(monkeypatch: pytest.MonkeyPatch,
+                              step: Callable[[], T]) -> tuple[T, list[dict[str, float]]]:
+    """Run a train step where no tensor may be read back one value at a time (`item`, `float`): what
+    it returns and each `DeviceSums.read` it made (a read of a GPU value waits for the GPU)."""
+    from services.rl import trainer as trainer_mod
+
+    reads: list[dict[str, float]] = []
+    read = trainer_mod.DeviceSums.read
+
+    def counted(self: trainer_mod.DeviceSums) -> dict[str, float]:
+        reads.append(read(self))
+        return reads[-1]
+
+    def refuse(self: torch.Tensor, *a: object) -> float:
+        raise AssertionError("a tensor read back one value at a time during a train step")
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod.DeviceSums, "read", counted)
+        m.setattr(torch.Tensor, "item", refuse)
+        m.setattr(torch.Tensor, "__float__", refuse)
+        out = step()
+    return out, reads

@@ -13,6 +13,7 @@ from services.core.config import AlgoSection
 from services.models.critic import ValueModel
 from services.rl.batch import Rollout
 from services.rl.trainer import PolicyTrainer, ValueTrainer, micro_weights
+from tests.rl_helpers import with_statistics_read_once
 
 
 def _model() -> Qwen2ForCausalLM:
@@ -97,29 +98,12 @@ def test_value_micro_batches_accumulate_the_minibatch_gradient(agg: str) -> None
 def test_a_critic_step_reads_its_statistics_back_once_per_optimizer_step(monkeypatch: pytest.MonkeyPatch) -> None:
     # As the policy's (test_trainer_levers): a read per micro-batch waits for the GPU each time.
     # Minibatches of 4 rows in micro-batches of 3 and 1: two optimizer steps, one read each.
-    from services.rl import trainer as trainer_mod
-
     algo = AlgoSection(name="ppo", minibatch_size=4, micro_batch_size=3, value_clip=0.2)
     torch.manual_seed(0)
     t = ValueTrainer(ValueModel(_model().model.float()), algo)
     torch.nn.init.normal_(t.model.value_head.weight)
-    one_by_one = copy.deepcopy(t)
-    expected = one_by_one.train_step(_rollout(), step=0)
-    reads: list[dict[str, float]] = []
-    read = trainer_mod.DeviceSums.read
-
-    def counted(self: trainer_mod.DeviceSums) -> dict[str, float]:
-        reads.append(read(self))
-        return reads[-1]
-
-    def refuse(self: torch.Tensor, *a: object) -> float:
-        raise AssertionError("a tensor read back one value at a time during a critic step")
-
-    monkeypatch.setattr(trainer_mod.DeviceSums, "read", counted)
-    monkeypatch.setattr(torch.Tensor, "item", refuse)
-    monkeypatch.setattr(torch.Tensor, "__float__", refuse)
-    stats = t.train_step(_rollout(), step=0)
-    monkeypatch.undo()
+    expected = copy.deepcopy(t).train_step(_rollout(), step=0)
+    stats, reads = with_statistics_read_once(monkeypatch, lambda: t.train_step(_rollout(), step=0))
     assert len(reads) == 2 and all({"value_loss", "vf_clip_frac", "value_mean"} <= set(r) for r in reads)
     assert stats == pytest.approx(expected, rel=1e-12) and 0 < stats["vf_clip_frac"] < 1
 

@@ -14,7 +14,7 @@ from services.core.config import AlgoSection
 from services.reference.scorer import ReferenceScorer
 from services.rl.batch import Rollout
 from services.rl.trainer import PolicyTrainer
-from tests.rl_helpers import ragged_rollout, tiny_qwen
+from tests.rl_helpers import ragged_rollout, tiny_qwen, with_statistics_read_once
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -332,28 +332,11 @@ def test_a_train_step_reads_its_statistics_back_once_per_optimizer_step(monkeypa
     # Each read of a GPU value waits for the GPU; one per micro-batch drained the trainer's queue of
     # kernels while the engine's ran (py-spy, 0.5B on the H200). Minibatches of 3 rows in micro-batches
     # of 2 and 1: two optimizer steps, four micro-batches, one read each step.
-    from services.rl import trainer as trainer_mod
-
     algo = AlgoSection(name="grpo", minibatch_size=3, micro_batch_size=2, kl_coef=0.1, kl_in="loss",
                        entropy_coef=0.01, lr=1e-2)
     t = PolicyTrainer(copy.deepcopy(_model()), algo, temperature=0.9)
-    eager = copy.deepcopy(t)
-    reads: list[dict[str, float]] = []
-    read = trainer_mod.DeviceSums.read
-
-    def counted(self: trainer_mod.DeviceSums) -> dict[str, float]:
-        reads.append(read(self))
-        return reads[-1]
-
-    def refuse(self: torch.Tensor, *a: object) -> float:
-        raise AssertionError("a tensor read back one value at a time during a train step")
-
-    expected = eager.train_step(_rollout(), step=0, current_version=1)
-    monkeypatch.setattr(trainer_mod.DeviceSums, "read", counted)
-    monkeypatch.setattr(torch.Tensor, "item", refuse)
-    monkeypatch.setattr(torch.Tensor, "__float__", refuse)
-    stats = t.train_step(_rollout(), step=0, current_version=1)
-    monkeypatch.undo()
+    expected = copy.deepcopy(t).train_step(_rollout(), step=0, current_version=1)
+    stats, reads = with_statistics_read_once(monkeypatch, lambda: t.train_step(_rollout(), step=0, current_version=1))
     keys = {"policy_loss", "kl_loss", "entropy", "clip_frac", "grad_norm"}
     assert len(reads) == 2 and all(keys <= set(r) for r in reads)
     assert stats == pytest.approx(expected, rel=1e-12)  # the same figures as reading each one at once
