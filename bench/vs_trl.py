@@ -137,9 +137,10 @@ FLEET_SHAPE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # workload ->
     "1.5b": ({}, {}),
 }
 
-# lever -> (algo options, vllm options, generation options, flow options, run options) on top of that
+# A lever's (algo options, vllm options, generation options, flow options, run options) on top of that
 # configuration.
-LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]] = {
+LeverOptions = tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]
+LEVERS: dict[str, LeverOptions] = {
     # The configuration of the 2026-12-01 run: vLLM returns each sampled token's log-prob (decoupled PPO's
     # behaviour policy), every CUDA-graph size vLLM captures by default.
     "lp": ({}, {"cudagraph_max_batch": None}, {"behaviour_logprobs": "engine"}, {}, {}),
@@ -162,8 +163,7 @@ LEVERS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str
     "nopc": ({}, {"prefix_caching": False}, {}, {}, {}),
 }
 # At 1.5B the trainer is the step (actor_train 4.0 of 4.2 s eagerly on 2026-12-02 16:42): compile is its lever.
-EAGER: tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]] = (
-    {"compile": False}, {}, {}, {}, {})
+EAGER: LeverOptions = ({"compile": False}, {}, {}, {}, {})
 # What a CPU dry run can start: no vLLM (its options are refused by the transformers engine) and no
 # inductor (minutes per graph on two cores; tests/unit/test_trainer_levers.py checks compile).
 DRY_LEVERS = {"logprob_chunk_tokens": 2}
@@ -607,15 +607,22 @@ def engine_start_s(run_dir: Path) -> float | None:
     """Seconds the actor's engine took to come up: its process's (`engine process started`), else vLLM's
     own line (`vLLM engine: ... started in 42.0s`) of an engine in the actor's process."""
     logs = sorted((run_dir / "logs").glob("actor*.log")) if (run_dir / "logs").is_dir() else []
-    started = [float(r["seconds"]) for log in logs for r in _records(log)
-               if r.get("msg") == "engine process started" and isinstance(r.get("seconds"), int | float)]
-    if started:  # replicas start together: the last one up
-        return max(started)
+    started = engine_process_s([r for log in logs for r in _records(log)])
+    if started is not None:
+        return started
     for log in logs:
         m = re.search(r"vLLM engine: .* started in ([0-9.]+)s", log.read_text(errors="replace"))
         if m:
             return float(m.group(1))
     return None
+
+
+def engine_process_s(records: list[dict[str, Any]]) -> float | None:
+    """Seconds the actor's engine process took to start (`engine process started`); with engine
+    replicas, which start together and log one line each, the last one's."""
+    started = [float(r["seconds"]) for r in records
+               if r.get("msg") == "engine process started" and isinstance(r.get("seconds"), int | float)]
+    return max(started) if started else None
 
 
 def step_compiles(run_dir: Path) -> list[dict[str, Any]]:
@@ -659,11 +666,9 @@ def startup_timeline(run_dir: Path, t0: float) -> dict[str, dict[str, float]]:
         ready = next((t for t, r in recs if r.get("msg") == "state changed" and r.get("to") == "ready"), None)
         if ready is not None:
             row["ready_s"] = round(ready - t0, 1)
-        # Engine replicas start together, each logging its own start: the set is up with the last.
-        eng = [float(r["seconds"]) for _, r in recs
-               if r.get("msg") == "engine process started" and isinstance(r.get("seconds"), int | float)]
-        if eng:
-            row["engine_s"] = max(eng)
+        eng = engine_process_s([r for _, r in recs])
+        if eng is not None:
+            row["engine_s"] = eng
         # The actor's trainer, built and compiled while its engine starts.
         trainer = next((r.get("seconds") for _, r in recs if r.get("msg") == "trainer built while the engine starts"),
                        None)
