@@ -101,17 +101,19 @@ def test_two_replicas_generate_like_one_engine_sync_together_and_a_dead_one_fail
             assert f'rlfleet_engine_replica_version{{replica="{rep}",service="actor"}} 1.0' in text
         assert "rlfleet_engine_replica_gpu_memory_bytes{" not in text
 
-        os.kill(replicas[1], signal.SIGKILL)
+        # Replicas start together, so their pids need not follow their order: status says which is which.
+        pid = {x["replica"]: x["pid"] for x in rows}
+        os.kill(pid[1], signal.SIGKILL)
         t0 = time.monotonic()
         code = actor.proc.wait(timeout=60)
         assert time.monotonic() - t0 < 30, "the actor outlived its dead replica"
         assert code != 0
         out = (cfg.run_dir / "actor.out").read_text()
-        assert "replica 1" in out
+        assert "replica 1" in out, out[-3000:]
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _alive(replicas[0]):
+        while time.monotonic() < deadline and _alive(pid[0]):
             time.sleep(0.1)
-        assert not _alive(replicas[0]), "the surviving replica outlived the actor"
+        assert not _alive(pid[0]), "the surviving replica outlived the actor"
     finally:
         actor.stop()
 
