@@ -84,16 +84,6 @@ def make_engine(
     return build_engine(name, model_path, dtype=dtype, device=device, micro_batch=micro_batch, **options)
 
 
-def replica_cache_dir(root: str | None, replica: int) -> str:
-    """vLLM's cache root for engine replica `replica` > 0: `replica<r>` under the configured root
-    (`generation.vllm.compile_cache_dir`), else under vLLM's own (VLLM_CACHE_ROOT, else
-    $XDG_CACHE_HOME/vllm or ~/.cache/vllm). Replica 0 keeps the root a single engine uses."""
-    if root is None:
-        root = os.environ.get("VLLM_CACHE_ROOT") or str(
-            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm")
-    return str(Path(root).expanduser() / f"replica{replica}")
-
-
 def _make_replicas(name: str, model_path: Path, replicas: int, tp: int, weight_transfer: Any,
                    transfer: dict[str, Any], **kw: Any) -> GenerationEngine:
     import torch
@@ -118,7 +108,7 @@ def _make_replicas(name: str, model_path: Path, replicas: int, tp: int, weight_t
         if name == "vllm" and r > 0:
             # Replicas start together, so each compiles into (or loads from) a vLLM cache of its own,
             # as vLLM's own data-parallel ranks do: none reads another's artefacts half written.
-            rkw = dict(rkw, compile_cache_dir=replica_cache_dir(rkw.get("compile_cache_dir"), r))
+            rkw = dict(rkw, compile_cache_subdir=f"replica{r}")
         return ProcessEngine(name, model_path, visible_devices=pinned, label=f"-replica{r}",
                              threads=threads, transfer=how, **transfer, **rkw)
 

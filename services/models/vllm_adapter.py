@@ -12,6 +12,7 @@ Nothing here imports vllm at module level: the backend stays importable without 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -150,18 +151,22 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 def compile_options(cudagraph_max_batch: int | None, compile_cache_dir: str | None,
-                    engine_kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+                    engine_kwargs: dict[str, Any], subdir: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """`LLM(...)` keyword arguments and environment for the CUDA-graph and compile-cache options.
 
     The cache goes through VLLM_CACHE_ROOT rather than `compilation_config.cache_dir`: vLLM keys its
     cache by model and config hash under the root, while an explicit cache_dir is used as is (a
-    changed config would then reuse stale artefacts)."""
+    changed config would then reuse stale artefacts). `subdir` (an engine replica's) goes under the
+    root: the configured one, else the one vLLM itself resolves from its environment."""
     kwargs: dict[str, Any] = {}
     env: dict[str, str] = {}
     if cudagraph_max_batch is not None:
         comp = dict(engine_kwargs.get("compilation_config") or {})
         comp["cudagraph_capture_sizes"] = capture_sizes(cudagraph_max_batch)
         kwargs["compilation_config"] = comp
+    if subdir is not None:
+        root = compile_cache_dir or importlib.import_module("vllm.envs").VLLM_CACHE_ROOT
+        compile_cache_dir = str(Path(root).expanduser() / subdir)
     if compile_cache_dir is not None:
         Path(compile_cache_dir).mkdir(parents=True, exist_ok=True)
         env["VLLM_CACHE_ROOT"] = str(Path(compile_cache_dir).resolve())

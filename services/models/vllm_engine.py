@@ -221,6 +221,7 @@ class VLLMEngine:
         seed: int = 0,
         cudagraph_max_batch: int | None = None,
         compile_cache_dir: str | None = None,
+        compile_cache_subdir: str | None = None,
         **engine_kwargs: Any,
     ) -> VLLMEngine:
         """Start vLLM on the model directory `path` (a transformers directory with safetensors).
@@ -230,8 +231,8 @@ class VLLMEngine:
         RLFLEET_VLLM_ENFORCE_EAGER) skips torch.compile and CUDA graphs (fast start, slower decode);
         env RLFLEET_VLLM_KV_CACHE_MEMORY_BYTES fixes the KV cache size instead of profiling for it.
         `micro_batch` > 0 caps the sequences per engine step (`max_num_seqs`). `device` must be a CUDA
-        device; pick the GPU with CUDA_VISIBLE_DEVICES. `cudagraph_max_batch` and `compile_cache_dir`:
-        see `compile_options`.
+        device; pick the GPU with CUDA_VISIBLE_DEVICES. `cudagraph_max_batch`, `compile_cache_dir`
+        and `compile_cache_subdir`: see `compile_options`.
         """
         reason = vllm_unavailable_reason()
         if reason is not None:
@@ -246,7 +247,8 @@ class VLLMEngine:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise EngineError(f"model directory {path} has no config.json")
-        comp_kwargs, comp_env = compile_options(cudagraph_max_batch, compile_cache_dir, engine_kwargs)
+        comp_kwargs, comp_env = compile_options(cudagraph_max_batch, compile_cache_dir, engine_kwargs,
+                                                compile_cache_subdir)
         os.environ.update(comp_env)  # before vllm reads its environment; one engine per process
         vllm = _import_vllm()
         util = gpu_memory_utilization if gpu_memory_utilization is not None else _env_float(

@@ -3,6 +3,8 @@ cache under the run directory, from the config to the `LLM(...)` arguments (vLLM
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,18 @@ def test_compile_options_keep_other_compilation_settings_and_key_the_cache_root(
     assert kwargs == {"compilation_config": {"level": 3, "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}}
     assert env == {"VLLM_CACHE_ROOT": str((tmp_path / "c").resolve())} and (tmp_path / "c").is_dir()
     assert compile_options(None, None, {}) == ({}, {})
+
+
+def test_a_replicas_compile_cache_goes_under_the_configured_root_else_under_vllms_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, env = compile_options(None, str(tmp_path / "c"), {}, subdir="replica1")
+    assert env == {"VLLM_CACHE_ROOT": str((tmp_path / "c" / "replica1").resolve())}
+    # Without a configured root vLLM resolves its own (VLLM_CACHE_ROOT, XDG_CACHE_HOME, ~/.cache);
+    # vLLM cannot be installed on a CPU host, so its `envs` module stands in with the root it resolved.
+    monkeypatch.setitem(sys.modules, "vllm.envs", types.SimpleNamespace(VLLM_CACHE_ROOT=str(tmp_path / "v")))
+    _, env = compile_options(None, None, {}, subdir="replica2")
+    assert env == {"VLLM_CACHE_ROOT": str((tmp_path / "v" / "replica2").resolve())}
+    assert (tmp_path / "v" / "replica2").is_dir()
 
 
 def test_transformers_engine_refuses_the_vllm_options(tmp_path: Path) -> None:
