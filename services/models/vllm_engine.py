@@ -377,7 +377,8 @@ class VLLMEngine:
                 for rid in left:
                     i = index[rid]
                     state = states.get(added[rid])
-                    if state is not None and not toks[i]:  # a DELTA request has them already
+                    # FINAL_ONLY: what an unfinished request generated is only in its output state.
+                    if state is not None:
                         toks[i] = list(state.detokenizer.output_token_ids)
                         lps[i] = (sampled_logprobs(state.logprobs_processor.logprobs, toks[i])
                                   if vparams[i].logprobs is not None else [0.0] * len(toks[i]))
