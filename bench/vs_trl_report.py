@@ -469,15 +469,15 @@ def render(res: dict[str, Any]) -> str:
                     f"{k.split('.')[-1]} {v:.2f}" for k, v in sorted(p["stages"].items())) + _host(p))
         lines.append("")
     for w in ("0.5b", "1.5b"):
-        measured = [lv for lv in LEVER_LABEL if f"fleet-{w}-{lv}" in ph]
-        if w != "0.5b" and not measured:
-            continue  # the 0.5B table always lists every lever; another shape only the ones it ran
+        levers = [lv for lv in LEVER_LABEL if LEVER_SHAPE.get(lv, "0.5b") == w]
+        if w != "0.5b" and not any(f"fleet-{w}-{lv}" in ph for lv in levers):
+            continue  # the 0.5B table always lists its levers; another shape's only once one of them ran
         lines += [f"### Levers ({w.upper()}, one run each, against the median of the three {w.upper()} repeats)\n",
                   "| lever | samples/s | vs baseline | step s | actor_train s | reference s | GPU util % | first step s"
                   " | vLLM start s |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         base = sums[w].get("samples_per_s")
-        for lever in [lv for lv in LEVER_LABEL if LEVER_SHAPE.get(lv, "0.5b") == w] if w == "0.5b" else measured:
+        for lever in levers:
             label = LEVER_LABEL[lever]
             p = ph.get(f"fleet-{w}-{lever}", {})
             if not p.get("ok"):
