@@ -54,6 +54,7 @@ from services.models.engine import (
     check_prompts,
 )
 from services.models.gate import CallGate
+from services.models.loading import load_tokenizer, model_vocab_size
 from services.models.vllm_adapter import (
     compile_options,
     finish_reason,
@@ -154,8 +155,6 @@ def _eos_ids(model_path: Path) -> list[int]:
             add(json.loads(f.read_text()).get("eos_token_id"))
     if (model_path / "tokenizer.json").is_file() or (model_path / "tokenizer_config.json").is_file():
         try:
-            from services.models.loading import load_tokenizer
-
             eos = load_tokenizer(model_path).eos_token_id
             if eos is not None:
                 ids.insert(0, int(eos))
@@ -255,7 +254,6 @@ class VLLMEngine:
             "RLFLEET_VLLM_GPU_MEMORY_UTILIZATION", DEFAULT_GPU_MEMORY_UTILIZATION)
         eager = enforce_eager if enforce_eager is not None else _env_bool("RLFLEET_VLLM_ENFORCE_EAGER", False)
         expected, groups = expected_parameters(path)
-        config = json.loads((path / "config.json").read_text())
         kwargs: dict[str, Any] = dict(
             model=str(path),
             skip_tokenizer_init=True,
@@ -284,9 +282,8 @@ class VLLMEngine:
         llm = vllm.LLM(**kwargs)
         log.info("vLLM engine: %s (%s, util %.2f, eager %s) started in %.1fs", path, dtype, util, eager,
                  time.perf_counter() - t0)
-        return cls(llm, path, _eos_ids(path), int(config.get("vocab_size", 0)) or _vocab_from(expected),
-                   expected, groups, sync_bucket_mb=sync_bucket_mb,
-                   options={k: v for k, v in kwargs.items() if k != "model"} | comp_env)
+        return cls(llm, path, _eos_ids(path), model_vocab_size(path), expected, groups,
+                   sync_bucket_mb=sync_bucket_mb, options={k: v for k, v in kwargs.items() if k != "model"} | comp_env)
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -495,9 +492,3 @@ class VLLMEngine:
             log.debug("vLLM cleanup: %s", e)
         torch.cuda.empty_cache()
 
-
-def _vocab_from(expected: dict[str, tuple[int, ...]]) -> int:
-    for name, shape in expected.items():
-        if name.endswith("embed_tokens.weight"):
-            return shape[0]
-    raise EngineError("cannot tell the vocabulary size from the model config")
