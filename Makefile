@@ -35,16 +35,17 @@ run-local: setup
 	$(BIN)/rlfleet train --local --config $(CONFIG)
 
 # The deploy tests (tests/deploy) install a Docker engine and build images: `make test-deploy` runs them.
-# Unit tests are independent and CPU-bound: two workers (pytest-xdist). The fleet, fault and
-# integration tests run one at a time, since their timing bounds assume the host is theirs.
+# Unit tests, and the few others marked shares_host (the single-process loop's learning runs, the
+# benchmarks' dry runs), are independent and CPU-bound: two workers (pytest-xdist). The fleet, fault
+# and integration tests run one at a time, since their timing bounds assume the host is theirs.
 # `make test` is both; CI (.ci/run) runs the two halves apart.
 test: test-unit test-serial
 
 test-unit: setup
-	$(BIN)/pytest -q -n 2 tests/unit $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n 2 --shares-host=only --ignore=tests/deploy $(PYTEST_ARGS)
 
 test-serial: setup
-	$(BIN)/pytest -q --durations=25 --ignore=tests/deploy --ignore=tests/unit $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=25 --shares-host=none --ignore=tests/deploy --ignore=tests/unit $(PYTEST_ARGS)
 
 proto: $(BIN)/rlfleet
 	$(BIN)/python scripts/gen_proto.py

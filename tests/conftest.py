@@ -16,6 +16,31 @@ from tests.fleet_helpers import EXAMPLE
 
 quiet_torch()
 
+UNIT = Path(__file__).resolve().parent / "unit"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--shares-host", choices=("only", "none"), default=None,
+        help="only: just the tests that may share the host's cores (tests/unit and those marked"
+             " shares_host), to run two at a time; none: just the others, which run one at a time")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(UNIT):
+            item.add_marker(pytest.mark.shares_host)
+    mode = config.getoption("--shares-host")
+    if mode is None:
+        return
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        (keep if (item.get_closest_marker("shares_host") is not None) == (mode == "only") else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:

@@ -15,6 +15,8 @@ import pytest
 from bench.learn import fleet_points, run_config
 from bench.learn_report import at_step, reach_time, summarize
 
+pytestmark = pytest.mark.shares_host  # TRL's dry run in one process, bounded by a generous timeout
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.shares_host  # engine processes, no fleet; bounded by a generous timeout
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -16,6 +16,9 @@ import pytest
 
 from bench import vs_trl_report as rep
 
+# Dry runs bounded only by generous timeouts (the one fleet a dry run starts measures nothing).
+pytestmark = pytest.mark.shares_host
+
 REPO = Path(__file__).resolve().parents[2]
 QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
               intermediate_size=4864, vocab_size=151936)

@@ -26,6 +26,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+@pytest.mark.shares_host  # the single-process loop: no fleet
 @pytest.mark.parametrize("name", [*ALGOS, "grpo-dual-clip"])
 def test_local_loop_raises_the_reward_with_each_algorithm(name: str, tmp_path: Path, tiny_model: Path) -> None:
     algo = {"name": "grpo", "dual_clip_c": 3.0} if name == "grpo-dual-clip" else example_algo(name)

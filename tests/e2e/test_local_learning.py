@@ -13,7 +13,7 @@ from services.local import run_local
 from services.report import read_metrics
 from tests.fleet_helpers import tiny_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shares_host]  # the single-process loop: no fleet
 
 
 @pytest.mark.parametrize(
