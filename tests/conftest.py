@@ -27,16 +27,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.is_relative_to(UNIT):
-            item.add_marker(pytest.mark.shares_host)
     mode = config.getoption("--shares-host")
-    if mode is None:
-        return
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     for item in items:
-        (keep if (item.get_closest_marker("shares_host") is not None) == (mode == "only") else dropped).append(item)
+        if item.path.is_relative_to(UNIT):
+            item.add_marker(pytest.mark.shares_host)
+        shares = item.get_closest_marker("shares_host") is not None
+        (keep if mode is None or shares == (mode == "only") else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = keep

@@ -54,7 +54,6 @@ from services.models.engine import (
     check_prompts,
 )
 from services.models.gate import CallGate
-from services.models.loading import load_tokenizer, model_vocab_size
 from services.models.vllm_adapter import (
     compile_options,
     finish_reason,
@@ -155,6 +154,8 @@ def _eos_ids(model_path: Path) -> list[int]:
             add(json.loads(f.read_text()).get("eos_token_id"))
     if (model_path / "tokenizer.json").is_file() or (model_path / "tokenizer_config.json").is_file():
         try:
+            from services.models.loading import load_tokenizer
+
             eos = load_tokenizer(model_path).eos_token_id
             if eos is not None:
                 ids.insert(0, int(eos))
@@ -278,6 +279,8 @@ class VLLMEngine:
             kwargs["attention_config"] = {"backend": attention_backend}
         kwargs.update(engine_kwargs)
         kwargs.update(comp_kwargs)
+        from services.models.loading import model_vocab_size  # transformers: not on backends' probe path
+
         t0 = time.perf_counter()
         llm = vllm.LLM(**kwargs)
         log.info("vLLM engine: %s (%s, util %.2f, eager %s) started in %.1fs", path, dtype, util, eager,
