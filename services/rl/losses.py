@@ -8,12 +8,14 @@ slot holding an arbitrary log-prob could otherwise turn every gradient into NaN.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
-from typing import Literal, ParamSpec
+from typing import Literal, ParamSpec, get_args
 
 import torch
 from torch import Tensor
 
+from services.core.config_algo import BehaviourCorrection
 from services.rl.kl import K3_LOG_RATIO_CLAMP, KL_VALUE_CLAMP, KLKind, kl_estimate
 from services.rl.masked import acc_dtype, as_bool_mask, masked_mean, masked_sum
 
@@ -22,6 +24,7 @@ P = ParamSpec("P")
 AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 _AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 RatioLevel = Literal["token", "sequence"]
+_CORRECTIONS: tuple[str, ...] = get_args(BehaviourCorrection)
 
 # Bounds on log-ratios before exp(): exp(20) ~ 5e8 is finite in float32 and far past any ratio the
 # clip or the weight cap lets through, so the bound only matters for pathological tokens.
@@ -80,27 +83,67 @@ def _sequence_log_ratio(log_ratio: Tensor, m: Tensor) -> Tensor:
     return torch.where(m, per_row[:, None].expand(m.shape), torch.zeros_like(log_ratio))
 
 
-def decoupled_weights(
-    proximal_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, cap: float | None,
-    level: RatioLevel = "token",
-) -> Tensor:
-    """Importance weight pi_prox / pi_behaviour per token, capped, 0 on padding, without grad.
+def _masked_max(x: Tensor, m: Tensor) -> Tensor:
+    """Largest value of `x` where `m` is true; 0 when nothing is."""
+    lowest = torch.full((), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device)
+    top = torch.where(m, x, lowest).amax() if x.numel() else lowest
+    return torch.where(m.any(), top, torch.zeros_like(top))
 
-    It corrects for the batch having been sampled by an older policy than the one PPO clips
-    against; the cap bounds the variance a very stale token can add. At `level="sequence"` (GSPO)
-    each response gets one weight, the length-normalised sequence ratio.
+
+def behaviour_weights(
+    proximal_logp: Tensor, behaviour_logp: Tensor, mask: Tensor,
+    correction: BehaviourCorrection = "token_truncate", cap: float | None = None, floor: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Importance weight of each token for the engine (behaviour) having sampled it rather than the
+    proximal policy the loss clips against: w = pi_prox / pi_behaviour, without grad, 0 on padding.
+
+    The ratio covers both why the two differ: the engine's numerics (bf16 kernels, another
+    attention) and, for a stale batch, the versions between its sampling and this step.
+    `token_*` takes one ratio per token; `sequence_*` one per response, the product of its tokens'
+    ratios exp(sum_t log r_t) (the likelihood ratio of the whole response, as TRL), given to each of
+    its tokens. `*_truncate` clamps the weight into [floor, cap]; `*_mask` keeps it where it lies in
+    [floor, cap] and zeroes it outside (the token, or the response, leaves the gradient); `none`
+    weights nothing. A bound left None is no bound.
+
+    Stats (0-d tensors over real tokens): `behaviour_log_ratio_mean` and `_abs_max`, log(pi_prox /
+    pi_behaviour) per token; `behaviour_weight_mean` and `behaviour_weight_max` of the weights
+    applied; `behaviour_ratio_max`, the largest ratio before any bound; `behaviour_bounded_frac`,
+    tokens whose weight a bound changed (truncated or masked).
     """
     _check_same(proximal_logp, behaviour_logp=behaviour_logp)
+    if correction not in _CORRECTIONS:
+        raise ValueError(f"unknown behaviour correction {correction!r} (expected one of {', '.join(_CORRECTIONS)})")
+    if cap is not None and floor is not None and floor >= cap:
+        raise ValueError(f"behaviour weight floor {floor} must be below its cap {cap}")
     with torch.no_grad():
         m = as_bool_mask(mask, proximal_logp)
-        log_w = _safe_log_ratio(proximal_logp, behaviour_logp, m)
-        if level == "sequence":
-            log_w = _sequence_log_ratio(log_w, m)
-        w = torch.exp(log_w)
-        if cap is not None:
-            w = w.clamp(max=cap)
+        tok = _safe_log_ratio(proximal_logp, behaviour_logp, m)
+        if correction.startswith("sequence"):
+            per_row = masked_sum(tok, m, dim=1).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+            log_w = torch.where(m, per_row[:, None].expand(m.shape), torch.zeros_like(tok))
+        else:
+            log_w = tok
+        raw = torch.exp(log_w)
+        lo = -math.inf if floor is None else floor
+        hi = math.inf if cap is None else cap
+        inside = (raw >= lo) & (raw <= hi)
+        if correction == "none":
+            w = torch.ones_like(raw)
+        elif correction.endswith("truncate"):
+            w = raw if floor is None and cap is None else raw.clamp(min=floor, max=cap)
+        else:
+            w = torch.where(inside, raw, torch.zeros_like(raw))
         w = torch.where(m, w, torch.zeros_like(w))
-    return w.to(proximal_logp.dtype)
+        bounded = m & ~inside if correction != "none" else torch.zeros_like(m)
+        stats = {
+            "behaviour_log_ratio_mean": masked_mean(tok, m),
+            "behaviour_log_ratio_abs_max": _masked_max(tok.abs(), m),
+            "behaviour_weight_mean": masked_mean(w, m),
+            "behaviour_weight_max": _masked_max(w, m),
+            "behaviour_ratio_max": _masked_max(raw, m),
+            "behaviour_bounded_frac": masked_mean(bounded.to(tok.dtype), m),
+        }
+    return w.to(proximal_logp.dtype), stats
 
 
 def policy_loss_terms(
@@ -116,8 +159,11 @@ def policy_loss_terms(
     ratio_level: RatioLevel = "token",
     dual_clip_c: float | None = None,
     norm_len: int | None = None,
+    behaviour_correction: BehaviourCorrection = "token_truncate",
+    behaviour_weight_floor: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate against the proximal policy `old_logp`; decoupled when given a behaviour.
+    """PPO clipped surrogate against the proximal policy `old_logp`; decoupled when given a behaviour:
+    each token's loss is then weighted by `behaviour_weights(old_logp, behaviour_logp, ...)`.
 
     `ratio_level="sequence"` is GSPO: every token of a response carries the length-normalised
     sequence ratio s = exp(mean_t log r_t), written so its gradient is s * grad log pi per token.
@@ -126,10 +172,10 @@ def policy_loss_terms(
 
     Stats: `clip_frac` (tokens whose gradient the clip removes), `approx_kl` (k3 estimate of
     KL(old || new) from tokens sampled by old: r - 1 - log r), `ratio_mean`, `dual_clip_frac`
-    (with dual clip), and `behaviour_weight_mean` (1.0 when not decoupled). Means are over masked
-    tokens, 0 if none. They are 0-d tensors on the loss's device: a trainer that sums them over
-    micro-batches reads them back once a step (each read of a GPU value waits for the GPU);
-    `policy_loss` gives them as floats.
+    (with dual clip), `behaviour_weight_mean` (1.0 when not decoupled) and, decoupled, the other
+    stats of `behaviour_weights`. Means are over masked tokens, 0 if none; `*_max` are maxima. They
+    are 0-d tensors on the loss's device: a trainer that sums them over micro-batches reads them back
+    once a step (each read of a GPU value waits for the GPU); `policy_loss` gives them as floats.
     """
     _check_mode(agg)
     _check_same(logp, old_logp=old_logp, advantages=advantages, behaviour_logp=behaviour_logp)
@@ -157,8 +203,11 @@ def policy_loss_terms(
         dual_hit = (adv < 0) & (loss_mat > bound)
         loss_mat = torch.where(dual_hit, bound, loss_mat)
     weight: Tensor | None = None
+    behaviour_stats: dict[str, Tensor] = {}
     if behaviour_logp is not None:
-        weight = decoupled_weights(old_logp.detach(), behaviour_logp, m, behaviour_weight_cap, ratio_level).to(acc)
+        weight, behaviour_stats = behaviour_weights(old_logp.detach(), behaviour_logp, m, behaviour_correction,
+                                                    behaviour_weight_cap, behaviour_weight_floor)
+        weight = weight.to(acc)
         loss_mat = loss_mat * weight
     loss = aggregate(loss_mat, m, agg, norm_len).to(logp.dtype)
 
@@ -169,13 +218,14 @@ def policy_loss_terms(
             masked_mean(clipped.to(acc), m),
             masked_mean(approx_kl, m),
             masked_mean(ratio, m),
-            masked_mean(weight, m) if weight is not None else torch.ones((), dtype=acc, device=logp.device),
         ]
         if dual_hit is not None:
             parts.append(masked_mean(dual_hit.to(acc), m))
-    stats = {"clip_frac": parts[0], "approx_kl": parts[1], "ratio_mean": parts[2], "behaviour_weight_mean": parts[3]}
+    stats = {"clip_frac": parts[0], "approx_kl": parts[1], "ratio_mean": parts[2],
+             "behaviour_weight_mean": torch.ones((), dtype=acc, device=logp.device)}
     if dual_hit is not None:
-        stats["dual_clip_frac"] = parts[4]
+        stats["dual_clip_frac"] = parts[3]
+    stats.update({k: v.to(acc) for k, v in behaviour_stats.items()})
     return loss, stats
 
 

@@ -57,7 +57,8 @@ def compute_advantages(r: Rollout, algo: AlgoSection, max_new_tokens: int | None
         if algo.name == "rloo":
             r.advantages = rloo_advantages(seq, r.group_ids, mask)
         else:  # grpo, dr_grpo, dapo, gspo: the group-normalised advantage
-            r.advantages = grpo_advantages(seq, r.group_ids, mask, norm_std=algo.group_norm_std)
+            r.advantages = grpo_advantages(seq, r.group_ids, mask, norm_std=algo.group_norm_std,
+                                           eps=algo.advantage_eps)
 
     return _stats(r, penalty, kl)
 

@@ -27,7 +27,12 @@ def _minibatches(n: int, size: int, gen: torch.Generator) -> list[torch.Tensor]:
 
 
 def _mean(acc: dict[str, list[float]]) -> dict[str, float]:
-    return {k: sum(v) / len(v) for k, v in acc.items() if v}
+    """Each statistic's mean over a step's optimizer steps; a maximum (`*_max`) stays the maximum."""
+    return {k: max(v) if is_max(k) else sum(v) / len(v) for k, v in acc.items() if v}
+
+
+def is_max(key: str) -> bool:
+    return key.endswith("_max")
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -158,19 +163,21 @@ class PolicyTrainer:
         algo = self.algo
         compiles = CompileCount() if self.compile_backend is not None else None
         self.model.train()
-        # Off-policy rows (generated under an older version) are clipped against the proximal policy,
-        # i.e. the weights right before this step, and weighted by proximal/behaviour (decoupled PPO).
-        # A fully on-policy batch skips the extra forward: proximal and behaviour are the same weights.
-        # Without engine log-probs (behaviour_logprobs "trainer": the rollout's are zeros) every batch
-        # clips against the proximal forward and nothing weights it by the behaviour policy.
+        # Decoupled PPO (algo.decoupled): every batch is clipped against the proximal policy, the trainer's
+        # own log-probs at the weights right before this step, and weighted by proximal/behaviour
+        # (algo.behaviour_correction), so the clip acts on what this update changes and the weight on
+        # what the engine sampled differently: its numerics on an on-policy batch, and the versions
+        # since on a stale one. Without engine log-probs (behaviour_logprobs "trainer": the rollout's are
+        # zeros) every batch clips against the proximal forward and nothing weights it.
         versions = r.versions if r.versions is not None else torch.full((len(r),), r.version)
-        off_policy = algo.decoupled and bool((versions < current_version).any())
+        off_policy = bool((versions < current_version).any())
         engine_logprobs = self.behaviour_logprobs == "engine"
         # A response's sum is divided by one constant whatever width its micro-batch is cut to.
         norm_len = algo.loss_norm_len or r.response_ids.shape[1]
-        proximal = off_policy or not engine_logprobs  # clip against the proximal policy, not the behaviour
+        proximal = algo.decoupled or not engine_logprobs  # clip against the proximal policy, not the behaviour
         proximal_forward = proximal and self.weights_move_within(len(r))
-        behaviour = r.behaviour_logprobs if proximal and engine_logprobs else None
+        weighted = proximal and engine_logprobs and algo.behaviour_correction != "none"
+        behaviour = r.behaviour_logprobs if weighted else None
         # `old`: the behaviour's log-probs, the proximal ones scored up front, or None: each forward's own.
         old: torch.Tensor | None = None if proximal else r.behaviour_logprobs
         if proximal_forward:
@@ -201,6 +208,8 @@ class PolicyTrainer:
                         behaviour_logp=None if behaviour is None else behaviour[rows, :width].to(self.device),
                         behaviour_weight_cap=algo.behaviour_weight_cap, ratio_level=algo.ratio_level,
                         dual_clip_c=algo.dual_clip_c, norm_len=norm_len,
+                        behaviour_correction=algo.behaviour_correction,
+                        behaviour_weight_floor=algo.behaviour_weight_floor,
                     )
                     sums.add("policy_loss", loss, w)
                     if algo.kl_coef > 0 and algo.kl_in == "loss" and part.ref_logprobs is not None:
@@ -240,9 +249,14 @@ class DeviceSums:
         self._sums: dict[str, torch.Tensor] = {}
 
     def add(self, key: str, value: torch.Tensor, weight: float) -> None:
+        """Add `weight * value` to the key's sum; a maximum (`*_max`) keeps the largest value, unweighted."""
         if isinstance(value, DTensor):  # a sharded (FSDP) model's grad norm
             value = value.full_tensor()
-        v = weight * value.detach().to(torch.float64)  # a Python float's precision, as the sums had
+        v = value.detach().to(torch.float64)  # a Python float's precision, as the sums had
+        if is_max(key):
+            self._sums[key] = torch.maximum(self._sums[key], v) if key in self._sums else v
+            return
+        v = weight * v
         self._sums[key] = self._sums[key] + v if key in self._sums else v
 
     def read(self) -> dict[str, float]:

@@ -14,7 +14,7 @@ from services.rl.kl import KLKind, kl_estimate
 from services.rl.losses import (
     AggMode,
     aggregate,
-    decoupled_weights,
+    behaviour_weights,
     entropy_from_logits,
     kl_loss,
     policy_loss,
@@ -141,22 +141,74 @@ def test_aggregate_rejects_an_unknown_mode() -> None:
         aggregate(torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), "sum")  # type: ignore[arg-type]
 
 
-# ---- decoupled_weights ----------------------------------------------------------------------
+# ---- behaviour_weights ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cap", [None, 1.5])
-def test_decoupled_weights_are_capped_ratio_zero_on_padding_and_detached(cap: float | None) -> None:
-    mask = lengths_mask(LENGTHS)
-    prox_data = dirty(randn(mask.shape, 5), mask)
-    prox = leaf(prox_data)
-    beh = dirty(randn(mask.shape, 6), mask, -GARBAGE)
-    w = decoupled_weights(prox, beh, mask, cap)
-    expected = torch.zeros(mask.shape, dtype=torch.float64)
+def ref_weights(prox: torch.Tensor, beh: torch.Tensor, mask: torch.Tensor, mode: str, cap: float | None,
+                floor: float | None) -> torch.Tensor:
+    """The weight of every real token, one cell at a time (the modes' definitions, as TRL's docs state them)."""
+    lo, hi = -math.inf if floor is None else floor, math.inf if cap is None else cap
+    out = torch.zeros(mask.shape, dtype=torch.float64)
     for i, t in real_cells(mask):
-        v = math.exp(float(prox_data[i, t]) - float(beh[i, t]))
-        expected[i, t] = v if cap is None else min(v, cap)
+        if mode.startswith("sequence"):
+            ratio = math.exp(sum(float(prox[i, u]) - float(beh[i, u]) for u in range(mask.shape[1]) if mask[i, u]))
+        else:
+            ratio = math.exp(float(prox[i, t]) - float(beh[i, t]))
+        if mode == "none":
+            out[i, t] = 1.0
+        elif mode.endswith("truncate"):
+            out[i, t] = min(max(ratio, lo), hi)
+        else:
+            out[i, t] = ratio if lo <= ratio <= hi else 0.0
+    return out
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"])
+@pytest.mark.parametrize(("floor", "cap"), [(None, 1.5), (0.5, 1.5), (0.7, None), (None, None)])
+def test_behaviour_weights_follow_each_modes_definition_zero_on_padding_and_detached(
+    mode: str, floor: float | None, cap: float | None
+) -> None:
+    mask = lengths_mask(LENGTHS)
+    prox_data = dirty(randn(mask.shape, 5, scale=0.4), mask)
+    prox = leaf(prox_data)
+    beh = dirty(randn(mask.shape, 6, scale=0.4), mask, -GARBAGE)
+    w, stats = behaviour_weights(prox, beh, mask, mode, cap, floor)  # type: ignore[arg-type]
+    expected = ref_weights(prox_data, beh, mask, mode, cap, floor)
     assert_close(w, expected)
     assert not w.requires_grad
+    real = [expected[i, t] for i, t in real_cells(mask)]
+    assert stats["behaviour_weight_mean"].item() == pytest.approx(sum(real) / len(real))
+    assert stats["behaviour_weight_max"].item() == pytest.approx(max(real))
+    logs = [float(prox_data[i, t]) - float(beh[i, t]) for i, t in real_cells(mask)]
+    assert stats["behaviour_log_ratio_mean"].item() == pytest.approx(sum(logs) / len(logs))
+    assert stats["behaviour_log_ratio_abs_max"].item() == pytest.approx(max(abs(x) for x in logs))
+    # The share of tokens a bound changed: the cells where the mode's weight is not its ratio.
+    unbounded = ref_weights(prox_data, beh, mask, mode.replace("mask", "truncate"), None, None)
+    moved = [float(expected[i, t] != unbounded[i, t]) for i, t in real_cells(mask)]
+    assert stats["behaviour_bounded_frac"].item() == pytest.approx(0.0 if mode == "none" else sum(moved) / len(moved))
+
+
+def test_a_sequence_mask_drops_a_whole_response_whose_product_of_ratios_passes_the_cap() -> None:
+    mask = lengths_mask([3, 3], width=3)
+    beh = torch.zeros(2, 3, dtype=torch.float64)
+    # Row 0: each token only 1.5x likelier under the trainer, but 1.5^3 = 3.375 > 3 for the response.
+    prox = torch.tensor([[math.log(1.5)] * 3, [math.log(1.2), 0.0, math.log(0.9)]], dtype=torch.float64)
+    w, stats = behaviour_weights(prox, beh, mask, "sequence_mask", cap=3.0)
+    assert_close(w[0], torch.zeros(3, dtype=torch.float64))
+    assert_close(w[1], torch.full((3,), 1.2 * 0.9, dtype=torch.float64))
+    assert stats["behaviour_bounded_frac"].item() == pytest.approx(0.5)
+    assert stats["behaviour_ratio_max"].item() == pytest.approx(1.5**3)
+    # Per token, the same response is inside the cap.
+    assert behaviour_weights(prox, beh, mask, "token_mask", cap=3.0)[0][0].tolist() == pytest.approx([1.5] * 3)
+
+
+def test_behaviour_weights_refuse_an_unknown_mode_and_a_floor_above_the_cap() -> None:
+    x = torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="unknown behaviour correction 'tis'"):
+        behaviour_weights(x, x, mask, "tis", cap=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="floor 2.0 must be below its cap 1.5"):
+        behaviour_weights(x, x, mask, "token_mask", cap=1.5, floor=2.0)
 
 
 # ---- policy_loss ----------------------------------------------------------------------------
@@ -236,8 +288,9 @@ def test_policy_loss_decoupled_weights_tokens_by_capped_behaviour_ratio(agg: Agg
     loss, stats = policy_loss(x, old, adv, mask, 0.2, None, agg, beh, 1.5)
     expected, exp_stats = ref_policy(xr, old, adv, mask, 0.2, None, agg, beh, 1.5)
     assert_close(loss, expected)
-    assert stats == pytest.approx(exp_stats, rel=1e-9, abs=1e-12)
+    assert {k: stats[k] for k in exp_stats} == pytest.approx(exp_stats, rel=1e-9, abs=1e-12)
     assert stats["behaviour_weight_mean"] != 1.0
+    assert {k for k in stats if k.startswith("behaviour_")} == set(behaviour_weights(old, beh, mask, cap=1.5)[1])
     loss.backward()
     expected.backward()
     assert_close(x.grad, xr.grad)
