@@ -207,7 +207,7 @@ def test_behaviour_weights_refuse_an_unknown_mode_and_a_floor_above_the_cap() ->
     mask = torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="unknown behaviour correction 'tis'"):
         behaviour_weights(x, x, mask, "tis", cap=2.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="floor 2.0 must be below its cap 1.5"):
+    with pytest.raises(ValueError, match=r"floor 2\.0 must be below its cap 1\.5"):
         behaviour_weights(x, x, mask, "token_mask", cap=1.5, floor=2.0)
 
 
