@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import yaml
 
+from services.core import lifeline
 from services.core.config import RunConfig, ServiceName, parse_config
 from services.core.mps import MpsDaemon, MpsError
 from services.core.placement import Inventory, PlacementError, Plan, discover_gpus
@@ -241,7 +242,8 @@ class Fleet:
         if private_redis:
             with self.hold_signals():  # bounded: start_redis gives up after 10s
                 self.redis = start_redis(self.run_dir / "redis", port=ports["redis-server port"],
-                                         password=self.base_cfg.redis_password())
+                                         password=self.base_cfg.redis_password(), die_with_parent=True)
+                lifeline.record(self.run_dir, "redis-server", self.redis.proc.pid)
             redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"  # password travels via env only
             log.info("redis started", extra={"pid": self.redis.proc.pid})
         if self.base_cfg.run.cuda_mps and self.mps is None:
@@ -280,7 +282,7 @@ class Fleet:
         return plan
 
     def service_env(self, name: ServiceName, replica: int = 0) -> dict[str, str]:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = lifeline.launcher_env(dict(os.environ, PYTHONUNBUFFERED="1"))  # it stops if this launcher dies
         # Set by wandb.init in the launching process: inherited, every controller would share that
         # process's wandb-core, and a killed controller's W&B run would stay "in use" for its replacement.
         env.pop("WANDB_SERVICE", None)
@@ -322,6 +324,7 @@ class Fleet:
             sp = self._spawn(name, replica)
             sp.restarts = restarts
             self.procs[key] = sp
+            lifeline.record(self.run_dir, key, sp.proc.pid)
         log.info("service started", extra={"child": key, "pid": sp.proc.pid, "restarts": restarts})
 
     def http(self, name: str, path: str, timeout: float = 2.0) -> httpx.Response:
@@ -433,6 +436,7 @@ class Fleet:
         if self.mps is not None:  # after the services: the daemon's server exits with its last client
             self.mps.stop()
             self.mps = None
+        lifeline.forget(self.run_dir)  # everything it names is stopped
         if self._claimed:
             PortClaims().release(self.owner)
             self._claimed = False
