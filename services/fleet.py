@@ -57,6 +57,7 @@ def stop_line(signum: int) -> str:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 INTERRUPT_GRACE_S = 10.0  # after a signal: how long services get to drain before SIGKILL
 HARD_EXIT_S = 25.0  # after a signal: the launcher kills what it started and exits, whatever it is doing
+STARTUP_GRACE_S, STARTUP_HARD_EXIT_S = 4.0, 9.0  # the two before all are ready: a Ctrl-C then ends it in 10 s
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Fleet:
         self._stopping = False
         self._nothing_started = False
         self._claimed = False  # ports claimed host-wide (reserve_ports): stop releases them
+        self.ready = False  # every service answered /readyz once (start returned)
 
     # -- signals ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -168,8 +170,9 @@ class Fleet:
             raise Interrupted(signum)
 
     def _watchdog(self, signum: int) -> None:
-        time.sleep(HARD_EXIT_S)
-        self._hard_exit(signum, f"rlfleet up: still stopping {HARD_EXIT_S:.0f}s after the signal: killed the fleet")
+        after = HARD_EXIT_S if self.ready else STARTUP_HARD_EXIT_S
+        time.sleep(after)
+        self._hard_exit(signum, f"rlfleet up: still stopping {after:.0f}s after the signal: killed the fleet")
 
     def _hard_exit(self, signum: int, line: str) -> None:
         self.kill()
@@ -317,6 +320,7 @@ class Fleet:
             for k in range(1, cfg.endpoint(name).replicas):  # type: ignore[arg-type]
                 self._launch(f"{name}-{k}", name, replica=k)  # type: ignore[arg-type]
         self.wait_ready(ready_timeout_s)
+        self.ready = True
 
     def _launch(self, key: str, name: ServiceName, replica: int = 0, restarts: int = 0) -> None:
         self.check_stop()
@@ -456,13 +460,12 @@ class Fleet:
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL a service and what it started: it leads its own process group (start_new_session).
     Only while it is not reaped, so its pid (the group id) cannot belong to another process yet."""
-    if proc.returncode is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        with contextlib.suppress(OSError):
-            proc.kill()
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            with contextlib.suppress(OSError):
+                proc.kill()
 
 
 def last_error(path: Path) -> str:

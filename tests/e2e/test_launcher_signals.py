@@ -94,3 +94,63 @@ def test_a_stray_process_of_an_earlier_launcher_is_named_and_nothing_starts(tmp_
         stray.wait()
     # Once it is gone the directory is free: a pid reused by another process is not taken for it.
     assert lifeline.holders(run_dir) == []
+
+
+INTERRUPT_EXITS_S = 10.0  # Ctrl-C at any moment of the start: the launcher and all it started are gone
+
+
+def _redis_up(run_dir: Path) -> bool:  # the launcher then builds the model
+    return (run_dir / "processes.json").exists()
+
+
+def _first_service_up(run_dir: Path) -> bool:
+    return any((run_dir / "services").glob("*.json"))
+
+
+# Moments of a fresh start (no compiled module caches, a model to build): seconds after exec, or a
+# condition on the run directory; the last one with the session's prebuilt model, past the build.
+MOMENTS = {
+    "after 0.5 s": 0.5,
+    "after 2 s": 2.0,
+    "after 5 s": 5.0,
+    "when Redis is up, the model building": _redis_up,
+    "when the first service is up": _first_service_up,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_ctrl_c_at_any_moment_of_a_fresh_start_exits_within_10s_leaving_nothing(
+        moment: str, tmp_path: Path, tiny_model: Path) -> None:
+    run_dir = tmp_path / "run"
+    when = MOMENTS[moment]
+    fresh = when is not _first_service_up
+    models = {"policy": {"build": {"warmup_steps": 20}}} if fresh else {"policy": {"path": str(tiny_model)}}
+    cfg = write_config(tmp_path / "c.yaml", run_dir, models=models, run={"max_steps": 1000, "eval_every": 0})
+    # An empty cache prefix: every module compiles from source, as in a fresh clone.
+    env = dict(os.environ, PYTHONPYCACHEPREFIX=str(tmp_path / "pycache")) if fresh else None
+    t0 = time.monotonic()
+    proc = _popen_up(cfg, env)
+    try:
+        while (time.monotonic() - t0 < when) if isinstance(when, float) else not when(run_dir):
+            assert proc.poll() is None and time.monotonic() - t0 < 180, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        t_signal = time.monotonic()
+        try:
+            out, err = proc.communicate(timeout=INTERRUPT_EXITS_S + 5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        took = time.monotonic() - t_signal
+        left = processes_of(run_dir)
+    finally:
+        with contextlib.suppress(OSError):
+            proc.kill()
+        _kill_all(processes_of(run_dir))
+    assert took < INTERRUPT_EXITS_S, f"rlfleet up exited {took:.1f}s after SIGINT {moment}: {err[-1500:]}"
+    assert left == [], f"left running after SIGINT {moment}: {left}"
+    assert proc.returncode == 130, (proc.returncode, out[-1000:], err[-1500:])
+    assert "Traceback" not in out + err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted"), err
