@@ -60,11 +60,12 @@ def service_main(name: str, serve: Serve | str, *, prestart: Callable[[RunConfig
         sys.exit(2)
     if prestart is not None:
         prestart(cfg)
-    quiet_torch()
     if isinstance(serve, str):
         module, _, attr = serve.partition(":")
         serve = getattr(importlib.import_module(module), attr)
         assert callable(serve), f"{module}:{attr} is not callable"
+    if "torch" in sys.modules:  # a service that runs no model (a reward function) never imports it
+        quiet_torch()
     if args.replica:
         ep = cfg.endpoint(name).model_copy(update={"grpc_port": 0, "http_port": 0})  # type: ignore[arg-type]
         cfg = cfg.model_copy(update={"services": {**cfg.services, name: ep}})
