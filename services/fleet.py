@@ -237,10 +237,8 @@ class Fleet:
 
                 roles.import_builders()  # the model code roles.prepare may build with (services import it lazily)
         self.preflight()
-        ports = self.reserve_ports()
-        private_redis = self.base_cfg.redis.url is None
+        ports, private_redis, redis_url = self.reserve_ports(), self.base_cfg.redis.url is None, None
         (self.run_dir / "logs").mkdir(exist_ok=True)
-        redis_url = None
         self.check_stop()
         if private_redis:
             with self.hold_signals():  # bounded: start_redis gives up after 10s
@@ -430,8 +428,9 @@ class Fleet:
             try:
                 sp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("service did not stop in time; killing it",
-                            extra={"child": sp.name, "pid": sp.proc.pid, "grace_s": grace_s})
+                log.log(  # one still starting (a short grace): expected, so in the launcher's log only
+                    logging.WARNING if self.ready else logging.INFO, "service did not stop in time; killing it",
+                    extra={"child": sp.name, "pid": sp.proc.pid, "grace_s": grace_s})
                 _kill_group(sp.proc)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     sp.proc.wait(timeout=5)
