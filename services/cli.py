@@ -19,10 +19,10 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.core.config import ConfigError, RunConfig, load_config
-from services.progress import ProgressLine
+if TYPE_CHECKING:  # imported where used: a Ctrl-C in an import before main() runs is a traceback
+    from services.core.config import RunConfig
 
 log = logging.getLogger("rlfleet.cli")
 _T0 = time.monotonic()  # about when the command started: the launcher log's seconds count from here
@@ -41,6 +41,12 @@ def _version() -> str:
         return importlib.metadata.version("rlfleet")
     except importlib.metadata.PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def load_config(*args: Any, **kw: Any) -> RunConfig:
+    from services.core.config import load_config
+
+    return load_config(*args, **kw)
 
 
 def _load(args: argparse.Namespace) -> RunConfig:
@@ -70,6 +76,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     quiet_torch()
     if not sys.stdout.isatty():
+        from services.progress import ProgressLine
+
         line = ProgressLine("train --local", cfg.run.max_steps, every_s=args.progress_every)
 
         def on_step(row: dict[str, float]) -> None:
@@ -128,7 +136,7 @@ def _fleet_table(status: dict[str, Any], cfg: RunConfig) -> Any:
 def _cmd_up(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from services.fleet import INTERRUPT_GRACE_S, Fleet
+    from services.fleet import INTERRUPT_GRACE_S, STARTUP_GRACE_S, Fleet
 
     cfg = _load(args)
     console = Console()
@@ -148,7 +156,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             return _interrupted(fleet.stop_signal)
         finally:
             interrupted = fleet.stop_signal is not None
-            fleet.stop(grace_s=INTERRUPT_GRACE_S if interrupted else 30.0)
+            fleet.stop(grace_s=30.0 if not interrupted else INTERRUPT_GRACE_S if fleet.ready else STARTUP_GRACE_S)
             if fleet.procs:  # a report only for a run that started; never in place of the real error
                 with fleet.hold_signals():  # matplotlib's import, like torch's, is not to be interrupted
                     _report(fleet, cfg, console, interrupted)
@@ -232,6 +240,8 @@ def _supervise(fleet: Any, console: Any, progress_every: float) -> int:
     cfg = fleet.cfg
     if not console.is_terminal:
         # Logs, CI, `nohup`: a plain line every few seconds instead of a live table nobody sees.
+        from services.progress import ProgressLine
+
         line = ProgressLine(f"rlfleet {cfg.run.name}", cfg.run.max_steps, every_s=progress_every)
 
         def tick(st: dict[str, Any]) -> None:
@@ -424,10 +434,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for h in logging.getLogger().handlers:
         h.setLevel(logging.WARNING)  # `up` also logs INFO, to RUN_DIR/logs/launcher.log only
     try:
-        return int(args.fn(args))
-    except ConfigError as err:
-        print(str(err), file=sys.stderr)
-        return 2
+        from services.core.config import ConfigError  # inside: a Ctrl-C during this import is one line too
+
+        try:
+            return int(args.fn(args))
+        except ConfigError as err:
+            print(str(err), file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

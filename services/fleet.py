@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import yaml
 
+from services.core import lifeline
 from services.core.config import RunConfig, ServiceName, parse_config
 from services.core.mps import MpsDaemon, MpsError
 from services.core.placement import Inventory, PlacementError, Plan, discover_gpus
@@ -56,6 +57,7 @@ def stop_line(signum: int) -> str:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 INTERRUPT_GRACE_S = 10.0  # after a signal: how long services get to drain before SIGKILL
 HARD_EXIT_S = 25.0  # after a signal: the launcher kills what it started and exits, whatever it is doing
+STARTUP_GRACE_S, STARTUP_HARD_EXIT_S = 4.0, 9.0  # the two before all are ready: a Ctrl-C then ends it in 10 s
 
 
 @dataclass
@@ -125,6 +127,7 @@ class Fleet:
         self._stopping = False
         self._nothing_started = False
         self._claimed = False  # ports claimed host-wide (reserve_ports): stop releases them
+        self.ready = False  # every service answered /readyz once (start returned)
 
     # -- signals ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -167,8 +170,9 @@ class Fleet:
             raise Interrupted(signum)
 
     def _watchdog(self, signum: int) -> None:
-        time.sleep(HARD_EXIT_S)
-        self._hard_exit(signum, f"rlfleet up: still stopping {HARD_EXIT_S:.0f}s after the signal: killed the fleet")
+        after = HARD_EXIT_S if self.ready else STARTUP_HARD_EXIT_S
+        time.sleep(after)
+        self._hard_exit(signum, f"rlfleet up: still stopping {after:.0f}s after the signal: killed the fleet")
 
     def _hard_exit(self, signum: int, line: str) -> None:
         self.kill()
@@ -233,15 +237,14 @@ class Fleet:
 
                 roles.import_builders()  # the model code roles.prepare may build with (services import it lazily)
         self.preflight()
-        ports = self.reserve_ports()
-        private_redis = self.base_cfg.redis.url is None
+        ports, private_redis, redis_url = self.reserve_ports(), self.base_cfg.redis.url is None, None
         (self.run_dir / "logs").mkdir(exist_ok=True)
-        redis_url = None
         self.check_stop()
         if private_redis:
             with self.hold_signals():  # bounded: start_redis gives up after 10s
                 self.redis = start_redis(self.run_dir / "redis", port=ports["redis-server port"],
-                                         password=self.base_cfg.redis_password())
+                                         password=self.base_cfg.redis_password(), die_with_parent=True)
+                lifeline.record(self.run_dir, "redis-server", self.redis.proc.pid)
             redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"  # password travels via env only
             log.info("redis started", extra={"pid": self.redis.proc.pid})
         if self.base_cfg.run.cuda_mps and self.mps is None:
@@ -280,7 +283,7 @@ class Fleet:
         return plan
 
     def service_env(self, name: ServiceName, replica: int = 0) -> dict[str, str]:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = lifeline.launcher_env(dict(os.environ, PYTHONUNBUFFERED="1"))  # it stops if this launcher dies
         # Set by wandb.init in the launching process: inherited, every controller would share that
         # process's wandb-core, and a killed controller's W&B run would stay "in use" for its replacement.
         env.pop("WANDB_SERVICE", None)
@@ -315,6 +318,7 @@ class Fleet:
             for k in range(1, cfg.endpoint(name).replicas):  # type: ignore[arg-type]
                 self._launch(f"{name}-{k}", name, replica=k)  # type: ignore[arg-type]
         self.wait_ready(ready_timeout_s)
+        self.ready = True
 
     def _launch(self, key: str, name: ServiceName, replica: int = 0, restarts: int = 0) -> None:
         self.check_stop()
@@ -322,6 +326,7 @@ class Fleet:
             sp = self._spawn(name, replica)
             sp.restarts = restarts
             self.procs[key] = sp
+            lifeline.record(self.run_dir, key, sp.proc.pid)
         log.info("service started", extra={"child": key, "pid": sp.proc.pid, "restarts": restarts})
 
     def http(self, name: str, path: str, timeout: float = 2.0) -> httpx.Response:
@@ -423,8 +428,9 @@ class Fleet:
             try:
                 sp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("service did not stop in time; killing it",
-                            extra={"child": sp.name, "pid": sp.proc.pid, "grace_s": grace_s})
+                log.log(  # one still starting (a short grace): expected, so in the launcher's log only
+                    logging.WARNING if self.ready else logging.INFO, "service did not stop in time; killing it",
+                    extra={"child": sp.name, "pid": sp.proc.pid, "grace_s": grace_s})
                 _kill_group(sp.proc)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     sp.proc.wait(timeout=5)
@@ -433,6 +439,7 @@ class Fleet:
         if self.mps is not None:  # after the services: the daemon's server exits with its last client
             self.mps.stop()
             self.mps = None
+        lifeline.forget(self.run_dir)  # everything it names is stopped
         if self._claimed:
             PortClaims().release(self.owner)
             self._claimed = False
@@ -452,13 +459,12 @@ class Fleet:
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL a service and what it started: it leads its own process group (start_new_session).
     Only while it is not reaped, so its pid (the group id) cannot belong to another process yet."""
-    if proc.returncode is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        with contextlib.suppress(OSError):
-            proc.kill()
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            with contextlib.suppress(OSError):
+                proc.kill()
 
 
 def last_error(path: Path) -> str:

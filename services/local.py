@@ -23,9 +23,9 @@ from services.models.export import export_final, record_local_config
 from services.models.factory import make_engine
 from services.models.loading import load_causal_lm
 from services.models.lora import check_only_adapters_train, engine_weights, load_policy
-from services.models.roles import critic_path, prepare, reward_model_path
+from services.models.roles import critic_path, prepare
 from services.reference.scorer import ReferenceScorer
-from services.reward.scorer import RewardScorer
+from services.reward.scorer import RewardScorer, reward_model_path
 from services.rl import batch as rb
 from services.rl.dynamic_sampling import fill_step
 from services.rl.pipeline import compute_advantages

@@ -21,7 +21,7 @@ from services.core.config import ModelSpec, RunConfig
 from services.core.trackers import check_trackers
 from services.models.paths import model_dir
 
-__all__ = ["PreflightError", "RunState", "check_fleet", "check_local", "run_state"]
+__all__ = ["PreflightError", "RunState", "check_fleet", "check_local", "check_no_holders", "run_state"]
 
 # Files any of which holds a model's weights; files any of which holds a tokenizer's vocabulary.
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -200,6 +200,19 @@ def check_redis(cfg: RunConfig) -> None:
                              " `make setup` does this) or set redis.url to a running Redis")
 
 
+def check_no_holders(run_dir: Path) -> None:
+    """No process an earlier `rlfleet up` started on this directory still runs (one killed with
+    SIGKILL leaves its services a few seconds to notice; a second fleet beside them would share
+    their journal)."""
+    from services.core.lifeline import holders
+
+    left = holders(run_dir.resolve())
+    if left:
+        pids = " ".join(h.rsplit(" ", 1)[1] for h in left)
+        raise PreflightError(f"{run_dir} is still held by processes of an earlier `rlfleet up`: {', '.join(left)};"
+                             f" stop them (kill {pids}) or wait for them to exit, then start again")
+
+
 def check_local(cfg: RunConfig) -> RunState:
     """Everything `rlfleet train --local` needs before it builds a model."""
     check_run_dir(cfg.run_dir)
@@ -215,6 +228,7 @@ def check_local(cfg: RunConfig) -> RunState:
 def check_fleet(cfg: RunConfig) -> RunState:
     """Everything `rlfleet up` needs before it starts Redis or any service (ports come next)."""
     check_run_dir(cfg.run_dir)
+    check_no_holders(cfg.run_dir)
     state = run_state(cfg)
     if state.kind == "local":
         raise PreflightError(f"{cfg.run_dir} holds a single-process run (`train --local`, {state.step} steps);"

@@ -1,4 +1,5 @@
-from services.controller.server import serve
 from services.core.entry import service_main
 
-service_main("controller", serve)
+# Named, not imported: the server module loads after the launcher's watch is set up and the config is
+# checked (services.core.entry).
+service_main("controller", "services.controller.server:serve")

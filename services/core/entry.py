@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from services.core import lifeline
 from services.core.config import ConfigError, RunConfig, load_config
 from services.core.logs import setup_logging
 
@@ -39,6 +40,7 @@ def service_main(name: str, serve: Serve | str, *, prestart: Callable[[RunConfig
     `serve` may be named as "module:function", imported only once the config is valid, after
     `prestart(cfg)`: what `prestart` starts (the actor's engine process) then runs while this process
     imports torch and the service (`services.models.engine_boot`)."""
+    lifeline.watch_launcher()  # first: a launcher killed while this process starts takes it down too
     p = argparse.ArgumentParser(prog=f"python -m services.{name}")
     p.add_argument("--config", required=True, help="run config (YAML); `rlfleet up` writes RUN_DIR/fleet.yaml")
     p.add_argument("--log-level", default="INFO")
@@ -58,11 +60,12 @@ def service_main(name: str, serve: Serve | str, *, prestart: Callable[[RunConfig
         sys.exit(2)
     if prestart is not None:
         prestart(cfg)
-    quiet_torch()
     if isinstance(serve, str):
         module, _, attr = serve.partition(":")
         serve = getattr(importlib.import_module(module), attr)
         assert callable(serve), f"{module}:{attr} is not callable"
+    if "torch" in sys.modules:  # a service that runs no model (a reward function) never imports it
+        quiet_torch()
     if args.replica:
         ep = cfg.endpoint(name).model_copy(update={"grpc_port": 0, "http_port": 0})  # type: ignore[arg-type]
         cfg = cfg.model_copy(update={"services": {**cfg.services, name: ep}})

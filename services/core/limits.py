@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from services.core.codec import WireError
 from services.core.config import RunConfig
@@ -85,7 +83,7 @@ class Limits:
             out.append((index, sample))
         return out
 
-    def check_reward_components(self, components: dict[str, torch.Tensor], owner: str) -> None:
+    def check_reward_components(self, components: Mapping[str, Any], owner: str) -> None:
         """Components are the configured rewards, all of them or none."""
         if components and set(components) != self.reward_names:
             got = ", ".join(sorted(n[:64] for n in components)[:8])
@@ -93,8 +91,9 @@ class Limits:
             raise WireError("bad_reward_components", f"{owner}: reward_components {got} are not the run's"
                             f" rewards: {want}")
 
-    def check_token_ids(self, t: torch.Tensor, field: str, owner: str) -> None:
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
+    def check_token_ids(self, t: Any, field: str, owner: str) -> None:
+        """`t`: a torch tensor or a numpy array of token ids."""
+        if math.prod(t.shape) and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
             raise WireError("bad_token_ids", f"{owner}: {field} holds ids outside the vocabulary"
                             f" [0, {self.vocab_size})")
 
@@ -168,8 +167,9 @@ class Limits:
             raise WireError("bad_sampling", f"{owner}: sampling.stop_token_ids outside the vocabulary"
                             f" [0, {self.vocab_size})")
 
-    def check_rollout(self, msg: pb.RolloutBatch, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
-                      group_ids: torch.Tensor, versions: torch.Tensor | None, *, max_rows: int) -> None:
+    def check_rollout(self, msg: pb.RolloutBatch, prompt_ids: Any, response_ids: Any,
+                      group_ids: Any, versions: Any | None, *, max_rows: int) -> None:
+        """The id tensors as torch tensors or numpy arrays."""
         owner = f"RolloutBatch {msg.batch_id[:40]!r}"
         b, r = response_ids.shape
         if not 1 <= b <= max_rows:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+
+from services.core import lifeline
 
 
 class RedisNotFound(RuntimeError):
@@ -77,8 +80,11 @@ def start_redis(
     appendfsync: str = "everysec",
     timeout_s: float = 10.0,
     log_name: str = "redis.log",
+    die_with_parent: bool = False,
 ) -> RedisProcess:
-    """Start redis-server with AOF on and noeviction, as docs/architecture.md requires, and wait for PING."""
+    """Start redis-server with AOF on and noeviction, as docs/architecture.md requires, and wait for PING.
+    `die_with_parent`: the server gets SIGTERM when this process dies, even by SIGKILL (on Linux, when
+    called from the main thread: the signal follows the thread that started the server)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host)
     args = [redis_server_binary()]
@@ -100,6 +106,8 @@ def start_redis(
         "--protected-mode", "yes" if password is None and host not in ("127.0.0.1", "::1") else "no",
         "--logfile", str(data_dir / log_name),
     ]
+    if die_with_parent and threading.current_thread() is threading.main_thread():
+        args = lifeline.wrap_command(args)
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     rp = RedisProcess(proc=proc, port=port, dir=data_dir, host=host, password=password)
     deadline = time.monotonic() + timeout_s

@@ -11,7 +11,6 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
 
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig, ServiceName
@@ -20,24 +19,27 @@ from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.runtime import ServiceRuntime
 from services.core.servicer import ServiceCalls
-from services.core.wire import parse_message, score_to_proto, validate_rollout_batch
+from services.core.wire import RolloutArrays, parse_message, score_to_proto, validate_rollout_arrays
 from services.core.worker import StreamWorker
-from services.rl.batch import Rollout
 
-if TYPE_CHECKING:  # a type only: trainable pulls in the checkpoint code (torch DCP, peft), ~3 s of imports
+if TYPE_CHECKING:  # types only: trainable pulls in the checkpoint code (torch DCP, peft), ~3 s of imports
     from services.core.trainable import Trainable
+    from services.rl.batch import Rollout
 
 log = logging.getLogger("rlfleet.scoring")
 
-# A stage's scores [B] or [B, R]; the reward stage may also return its named components [B].
-ScoreFn = Callable[[Rollout], torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# A stage's scores [B] or [B, R]; the reward stage may also return its named components [B]. A scorer
+# that runs a model takes a torch Rollout; one that runs none (a reward function) may take the
+# RolloutArrays and return numpy arrays, and its service then never imports torch.
+ScoreFn = Callable[[Any], Any]
 
 
 class ScoringService:
     def __init__(self, cfg: RunConfig, stage: ServiceName, score: ScoreFn,
                  version: Callable[[], int] = lambda: 0, trainable: Trainable | None = None,
-                 watch: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
+                 watch: Callable[[], Coroutine[Any, Any, None]] | None = None, arrays: bool = False) -> None:
         self.cfg = cfg
+        self.arrays = arrays  # the scorer takes RolloutArrays, not a torch Rollout (see ScoreFn)
         self.watch = watch  # raises when a part of the service (a trainer rank) died: fail fast
         self.trainable = trainable
         self.stage = stage
@@ -80,7 +82,8 @@ class ScoringService:
     async def handle(self, msg: Message) -> None:
         assert self.bus is not None
         rb = parse_message(pb.RolloutBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
-        rollout = validate_rollout_batch(rb, self.cfg.flow.max_message_bytes, self.limits)
+        checked = validate_rollout_arrays(rb, self.cfg.flow.max_message_bytes, self.limits)
+        rollout: RolloutArrays | Rollout = checked if self.arrays else checked.to_rollout()
         if self.trainable is not None:
             await self.trainable.until_caught_up()  # a restarted critic scores nothing until replayed
         t0 = time.perf_counter()

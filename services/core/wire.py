@@ -14,24 +14,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
+import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from services.core.codec import (
-    SCHEMA_VERSION,
-    WireError,
-    tensor_from_proto,
-    tensor_to_proto,
-)
+from services.core.codec import SCHEMA_VERSION, WireError, array_from_proto, array_to_proto, tensor_to_proto, torch_of
 from services.core.pb import rlfleet_pb2 as pb
-from services.rl.batch import Rollout
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch and the Rollout load only where a torch rollout is asked for (see RolloutArrays)
+    import torch
+
     from services.core.limits import Limits
+    from services.rl.batch import Rollout
 
 __all__ = [
     "SCHEMA_VERSION",
     "STAGE_FIELDS",
+    "RolloutArrays",
     "Scores",
     "TrainRequest",
     "WireError",
@@ -43,6 +41,7 @@ __all__ = [
     "score_to_proto",
     "train_batch_from_proto",
     "train_batch_to_proto",
+    "validate_rollout_arrays",
     "validate_rollout_batch",
 ]
 
@@ -91,23 +90,34 @@ def parse_message(cls: type[M], data: bytes, *, max_bytes: int) -> M:
 # -- helpers -------------------------------------------------------------------------------------
 
 
+Array = np.ndarray[Any, Any]
+
+
 def _tensor(msg: Any, field: str, owner: str, *, max_bytes: int, dtype: str,
-            shape: tuple[int | None, ...]) -> torch.Tensor:
+            shape: tuple[int | None, ...]) -> Array:
     if not msg.HasField(field):
         raise WireError("missing_field", f"{owner}: tensor {field!r} is not set")
-    return tensor_from_proto(getattr(msg, field), max_bytes=max_bytes, expect_dtype=dtype,
-                             expect_shape=shape, name=field)
+    return array_from_proto(getattr(msg, field), max_bytes=max_bytes, expect_dtype=dtype,
+                            expect_shape=shape, name=field)
 
 
-def _require_finite(t: torch.Tensor, name: str, mask: torch.Tensor | None = None) -> None:
-    bad = ~torch.isfinite(t)
+def _require_finite(t: Array, name: str, mask: Array | None = None) -> None:
+    bad = ~np.isfinite(t)
     if mask is not None:
         bad &= mask
     if bool(bad.any()):
-        where = tuple(int(i) for i in bad.nonzero()[0])
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
         pos = f"row {where[0]}" if len(where) == 1 else f"row {where[0]}, column {where[1]}"
         raise WireError("non_finite", f"tensor {name!r}: non-finite value {t[where].item()} at {pos}"
                         f" ({int(bad.sum())} in all)")
+
+
+def _encode(x: Any, wire_dtype: str, out: Any) -> None:
+    """A torch tensor or a numpy array into `out`, cast to `wire_dtype` (a no-op when already so)."""
+    if isinstance(x, np.ndarray):
+        array_to_proto(x.astype(np.bool_ if wire_dtype == "bool" else wire_dtype, copy=False), out)
+    else:
+        tensor_to_proto(getattr(x, {"int64": "long", "bool": "bool", "float32": "float"}[wire_dtype])(), out)
 
 
 def _check_task_ids(task_ids: Sequence[str], owner: str) -> None:
@@ -121,29 +131,66 @@ def _check_task_ids(task_ids: Sequence[str], owner: str) -> None:
 # -- rollouts ------------------------------------------------------------------------------------
 
 
-def rollout_to_proto(r: Rollout, batch_id: str, sampling: Any = None,
+def rollout_to_proto(r: Rollout | RolloutArrays, batch_id: str, sampling: Any = None,
                      finish_reasons: Sequence[str] | None = None,
                      generate_seconds: float = 0.0) -> pb.RolloutBatch:
     """Encode the generated part of a rollout (scores travel separately as ScoreBatch). Tensors are
     cast to the wire dtypes (int64 ids, bool masks, float32 log-probs), a no-op when already so."""
     msg = message(pb.RolloutBatch, batch_id=batch_id, task_ids=list(r.task_ids), version=int(r.version),
                   finish_reasons=list(finish_reasons or ()), generate_seconds=float(generate_seconds))
-    tensor_to_proto(r.prompt_ids.long(), msg.prompt_ids)
-    tensor_to_proto(r.prompt_mask.bool(), msg.prompt_mask)
-    tensor_to_proto(r.response_ids.long(), msg.response_ids)
-    tensor_to_proto(r.response_mask.bool(), msg.response_mask)
-    tensor_to_proto(r.behaviour_logprobs.float(), msg.behaviour_logprobs)
-    tensor_to_proto(r.group_ids.long(), msg.group_ids)
+    _encode(r.prompt_ids, "int64", msg.prompt_ids)
+    _encode(r.prompt_mask, "bool", msg.prompt_mask)
+    _encode(r.response_ids, "int64", msg.response_ids)
+    _encode(r.response_mask, "bool", msg.response_mask)
+    _encode(r.behaviour_logprobs, "float32", msg.behaviour_logprobs)
+    _encode(r.group_ids, "int64", msg.group_ids)
     if r.versions is not None:
-        tensor_to_proto(r.versions.long(), msg.versions)
+        _encode(r.versions, "int64", msg.versions)
     if sampling is not None:
         msg.sampling.CopyFrom(sampling)
     return msg
 
 
+@dataclass
+class RolloutArrays:
+    """A validated RolloutBatch as numpy arrays, the layout of services.rl.batch.Rollout: what a
+    service that runs no model (a reward function) works on, without importing torch."""
+
+    task_ids: list[str]
+    prompt_ids: Array  # [B, P] int64
+    prompt_mask: Array  # [B, P] bool
+    response_ids: Array  # [B, R] int64
+    response_mask: Array  # [B, R] bool
+    behaviour_logprobs: Array  # [B, R] float32
+    group_ids: Array  # [B] int64
+    version: int = 0
+    versions: Array | None = None  # [B] int64
+
+    def __len__(self) -> int:
+        return len(self.task_ids)
+
+    def to_rollout(self) -> Rollout:
+        """The torch Rollout, sharing these arrays' memory."""
+        from services.rl.batch import Rollout
+
+        kw: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, wire in (("prompt_ids", "int64"), ("prompt_mask", "bool"), ("response_ids", "int64"),
+                           ("response_mask", "bool"), ("behaviour_logprobs", "float32"), ("group_ids", "int64"),
+                           ("versions", "int64")):
+            if kw[name] is not None:
+                kw[name] = torch_of(kw[name], wire)
+        return Rollout(**kw)
+
+
 def validate_rollout_batch(msg: pb.RolloutBatch, max_bytes: int, limits: Limits | None = None, *,
                            max_rows: int | None = None) -> Rollout:
-    """Check a RolloutBatch against the padded layout and return it as a Rollout: B task ids,
+    """`validate_rollout_arrays` as a torch Rollout."""
+    return validate_rollout_arrays(msg, max_bytes, limits, max_rows=max_rows).to_rollout()
+
+
+def validate_rollout_arrays(msg: pb.RolloutBatch, max_bytes: int, limits: Limits | None = None, *,
+                            max_rows: int | None = None) -> RolloutArrays:
+    """Check a RolloutBatch against the padded layout and return its arrays: B task ids,
     [B, P] int64/bool prompt, [B, R] int64/bool/float32 response, [B] group ids, log-probs finite
     wherever the response mask is set. `max_bytes` bounds each tensor; `limits` adds the run's
     semantics (versions, ids, vocabulary, lengths, at most `max_rows` rows, default one message's)."""
@@ -152,7 +199,7 @@ def validate_rollout_batch(msg: pb.RolloutBatch, max_bytes: int, limits: Limits 
     b = len(msg.task_ids)
     _check_task_ids(msg.task_ids, owner)
 
-    def get(field: str, dtype: str, shape: tuple[int | None, ...]) -> torch.Tensor:
+    def get(field: str, dtype: str, shape: tuple[int | None, ...]) -> Array:
         return _tensor(msg, field, owner, max_bytes=max_bytes, dtype=dtype, shape=shape)
 
     prompt_ids = get("prompt_ids", "int64", (b, None))
@@ -169,7 +216,7 @@ def validate_rollout_batch(msg: pb.RolloutBatch, max_bytes: int, limits: Limits 
     if limits is not None:
         limits.check_rollout(msg, prompt_ids, response_ids, group_ids, versions,
                              max_rows=max_rows or limits.rows_per_message)
-    return Rollout(
+    return RolloutArrays(
         task_ids=list(msg.task_ids),
         prompt_ids=prompt_ids,
         prompt_mask=get("prompt_mask", "bool", (b, p)),
@@ -199,9 +246,9 @@ class Scores:
     components: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
-def score_to_proto(batch_id: str, stage: str, task_ids: Sequence[str], scores: torch.Tensor, *,
+def score_to_proto(batch_id: str, stage: str, task_ids: Sequence[str], scores: torch.Tensor | Array, *,
                    version: int = 0, score_seconds: float = 0.0,
-                   components: Mapping[str, torch.Tensor] | None = None) -> pb.ScoreBatch:
+                   components: Mapping[str, torch.Tensor | Array] | None = None) -> pb.ScoreBatch:
     """Encode one stage's output (rewards [B], or ref log-probs / values [B, R]) as float32, with
     the reward's components [B] when there are several."""
     if stage not in STAGE_FIELDS:
@@ -209,9 +256,9 @@ def score_to_proto(batch_id: str, stage: str, task_ids: Sequence[str], scores: t
                         f" expected one of {', '.join(STAGE_FIELDS)}")
     msg = message(pb.ScoreBatch, batch_id=batch_id, stage=stage, task_ids=list(task_ids),
                   version=int(version), score_seconds=float(score_seconds))
-    tensor_to_proto(scores.float(), getattr(msg, STAGE_FIELDS[stage]))
+    _encode(scores, "float32", getattr(msg, STAGE_FIELDS[stage]))
     for name, values in (components or {}).items():
-        tensor_to_proto(values.float(), msg.reward_components[name])
+        _encode(values, "float32", msg.reward_components[name])
     return msg
 
 
@@ -244,15 +291,15 @@ def score_from_proto(msg: pb.ScoreBatch, *, max_bytes: int, expected_stage: str 
         limits.check_reward_components(components, owner)
         limits.check_task_ids(msg.task_ids, owner)
         limits.check_version(int(msg.version), f"{owner}: version")
-        if t.dim() == 2 and t.shape[1] > limits.max_new_tokens:
+        if t.ndim == 2 and t.shape[1] > limits.max_new_tokens:
             raise WireError("response_too_long", f"{owner}: {field} has {t.shape[1]} columns, more than"
                             f" generation.max_new_tokens {limits.max_new_tokens}")
     return Scores(batch_id=msg.batch_id, stage=msg.stage, task_ids=list(msg.task_ids),
-                  version=int(msg.version), tensor=t, score_seconds=float(msg.score_seconds),
-                  components=components)
+                  version=int(msg.version), tensor=torch_of(t, "float32"), score_seconds=float(msg.score_seconds),
+                  components={k: torch_of(v, "float32") for k, v in components.items()})
 
 
-def _reward_components(msg: pb.ScoreBatch, owner: str, rows: int, max_bytes: int) -> dict[str, torch.Tensor]:
+def _reward_components(msg: pb.ScoreBatch, owner: str, rows: int, max_bytes: int) -> dict[str, Array]:
     if not msg.reward_components:
         return {}
     if msg.stage != "reward":
@@ -260,7 +307,7 @@ def _reward_components(msg: pb.ScoreBatch, owner: str, rows: int, max_bytes: int
     out = {}
     for name, proto in msg.reward_components.items():
         label = f"reward_components[{name[:64]!r}]"
-        t = tensor_from_proto(proto, max_bytes=max_bytes, expect_dtype="float32", expect_shape=(rows,), name=label)
+        t = array_from_proto(proto, max_bytes=max_bytes, expect_dtype="float32", expect_shape=(rows,), name=label)
         _require_finite(t, label)
         out[name] = t
     return out
@@ -289,7 +336,7 @@ def train_batch_to_proto(r: Rollout, *, step: int, batch_id: str, target_version
     for field in (*_TRAIN_TOKEN_FIELDS, "rewards"):
         t = getattr(r, field)
         if t is not None:
-            tensor_to_proto(t.float(), getattr(msg, field))
+            _encode(t, "float32", getattr(msg, field))
     return msg
 
 
@@ -309,14 +356,15 @@ def train_batch_from_proto(msg: pb.TrainBatch, max_bytes: int, *,
             raise WireError("missing_field", f"{owner}: tensor {field!r} is not set")
     if not msg.HasField("rollout"):
         raise WireError("missing_field", f"{owner}: rollout is not set")
-    rollout = validate_rollout_batch(msg.rollout, max_bytes, limits,
+    arrays = validate_rollout_arrays(msg.rollout, max_bytes, limits,
                                      max_rows=limits.samples_per_step if limits else None)
-    b, r = rollout.response_ids.shape
+    b, r = arrays.response_ids.shape
+    rollout = arrays.to_rollout()
     for field in (*_TRAIN_TOKEN_FIELDS, "rewards"):
         if msg.HasField(field):
             shape = (b,) if field == "rewards" else (b, r)
             t = _tensor(msg, field, owner, max_bytes=max_bytes, dtype="float32", shape=shape)
             _require_finite(t, field)
-            setattr(rollout, field, t)
+            setattr(rollout, field, torch_of(t, "float32"))
     return TrainRequest(step=int(msg.step), batch_id=msg.batch_id, target_version=int(msg.target_version),
                         rollout=rollout)

@@ -1,4 +1,5 @@
 from services.core.entry import service_main
-from services.critic.server import serve
 
-service_main("critic", serve)
+# Named, not imported: the server module loads after the launcher's watch is set up and the config is
+# checked (services.core.entry).
+service_main("critic", "services.critic.server:serve")

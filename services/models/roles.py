@@ -34,15 +34,6 @@ def prepare(cfg: RunConfig) -> Roles:
     return Roles(task=task, tokenizer=load_tokenizer(path), policy_path=path)
 
 
-def reward_model_path(cfg: RunConfig) -> Path | None:
-    spec = cfg.models.reward
-    if spec is None:
-        return None
-    if spec.path is None or not Path(spec.path).is_dir():
-        raise FileNotFoundError(f"models.reward.path: reward model directory not found: {spec.path}")
-    return Path(spec.path)
-
-
 def critic_path(cfg: RunConfig, policy_path: Path) -> Path:
     spec = cfg.models.critic
     if spec is None or spec.path is None:

@@ -1,4 +1,5 @@
 from services.core.entry import service_main
-from services.reference.server import serve
 
-service_main("reference", serve)
+# Named, not imported: the server module loads after the launcher's watch is set up and the config is
+# checked (services.core.entry).
+service_main("reference", "services.reference.server:serve")

@@ -1,4 +1,5 @@
 from services.core.entry import service_main
-from services.reward.server import serve
 
-service_main("reward", serve)
+# Named, not imported: the server module loads after the launcher's watch is set up and the config is
+# checked (services.core.entry).
+service_main("reward", "services.reward.server:serve")

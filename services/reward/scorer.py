@@ -10,13 +10,18 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from services.core.ids import parse_task_id
-from services.rl.batch import Rollout
+from services.core.wire import RolloutArrays
 from services.tasks.base import Prompt, Task, TaskError
 from services.tasks.rewards import RewardError, RewardResult, RewardSet, make_component
+
+if TYPE_CHECKING:  # torch only with a reward model: a reward function scores RolloutArrays (numpy)
+    from services.core.config import RunConfig
+    from services.rl.batch import Rollout
 
 log = logging.getLogger("rlfleet.reward")
 
@@ -33,6 +38,15 @@ class BadReward(ValueError):
 RewardFn = Callable[[Prompt, str], float]
 
 
+def reward_model_path(cfg: RunConfig) -> Path | None:
+    spec = cfg.models.reward
+    if spec is None:
+        return None
+    if spec.path is None or not Path(spec.path).is_dir():
+        raise FileNotFoundError(f"models.reward.path: reward model directory not found: {spec.path}")
+    return Path(spec.path)
+
+
 class RewardScorer:
     def __init__(self, task: Task, tokenizer, fn: RewardFn | None = None, model_path: Path | None = None):  # type: ignore[no-untyped-def]
         self.task = task
@@ -46,7 +60,10 @@ class RewardScorer:
         self.last_components: dict[str, float] = {}
         self.model = None
         if model_path is not None:
+            from services.core.entry import quiet_torch
             from services.models.reward_model import load_reward_model
+
+            quiet_torch()  # torch loads here, not at the service's start
 
             self.model = load_reward_model(model_path)
 
@@ -58,11 +75,11 @@ class RewardScorer:
             return self.rewards.score(prompts, completions)
         return self.task.score(prompts, completions)
 
-    def completions(self, r: Rollout) -> list[str]:
+    def completions(self, r: Rollout | RolloutArrays) -> list[str]:
         rows = [ids[m].tolist() for ids, m in zip(r.response_ids, r.response_mask, strict=True)]
         return list(self.tokenizer.batch_decode(rows, skip_special_tokens=True))
 
-    def prompts(self, r: Rollout) -> list[Prompt]:
+    def prompts(self, r: Rollout | RolloutArrays) -> list[Prompt]:
         out = []
         for tid in r.task_ids:
             index = parse_task_id(tid)[0]
@@ -72,12 +89,17 @@ class RewardScorer:
                 raise BadReward(f"task {tid}: {e}", reason=getattr(e, "reason", "bad_prompt")) from None
         return out
 
-    @torch.no_grad()
-    def score_with_components(self, r: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Rewards [B] and each component's unweighted values [B] (none for a reward model)."""
+    def score_with_components(self, r: Rollout | RolloutArrays) -> tuple[Any, dict[str, Any]]:
+        """Rewards [B] and each component's unweighted values [B] (none for a reward model), float32:
+        numpy arrays for RolloutArrays (a reward function's service imports no torch), tensors for a Rollout."""
+        parts: dict[str, Any] = {}
+        out: Any
         if self.model is not None:
-            out = self.model.score_ids(r.input_ids, r.attention_mask).float()
-            parts: dict[str, torch.Tensor] = {}
+            import torch
+
+            rollout = r.to_rollout() if isinstance(r, RolloutArrays) else r
+            with torch.no_grad():
+                out = self.model.score_ids(rollout.input_ids, rollout.attention_mask).float()
         else:
             try:
                 res = self.score_texts(self.prompts(r), self.completions(r))
@@ -85,15 +107,19 @@ class RewardScorer:
                 raise BadReward(str(e), reason=e.reason) from None
             except TaskError as e:  # e.g. a legacy reward that raised TaskError itself
                 raise BadReward(str(e), reason="reward_error") from None
-            out = torch.tensor(res.total, dtype=torch.float32)
-            parts = {k: torch.tensor(v, dtype=torch.float32) for k, v in res.components.items()}
+            out = np.asarray(res.total, dtype=np.float32)
+            parts = {k: np.asarray(v, dtype=np.float32) for k, v in res.components.items()}
             self.last_components = res.means()
             if len(parts) > 1:
                 log.info("reward components", extra={"rows": len(res.total), "components": self.last_components})
         bad = [(tid, float(v)) for tid, v in zip(r.task_ids, out.tolist(), strict=True) if not math.isfinite(v)]
         if bad:
             raise BadReward(f"reward is not finite for {len(bad)} task(s), first {bad[0][0]}: {bad[0][1]}")
+        if isinstance(out, np.ndarray) and not isinstance(r, RolloutArrays):
+            import torch
+
+            out, parts = torch.from_numpy(out), {k: torch.from_numpy(v) for k, v in parts.items()}
         return out, parts
 
-    def score(self, r: Rollout) -> torch.Tensor:
+    def score(self, r: Rollout | RolloutArrays) -> Any:
         return self.score_with_components(r)[0]

@@ -1,20 +1,35 @@
 """The reward service: scores every rollout with the task's rule-based reward (or a `module:function`
-override, or a reward model) and publishes the sequence rewards."""
+override, or a reward model) and publishes the sequence rewards.
+
+Only a reward model needs torch and transformers; a reward function decodes completions with the
+`tokenizers` library alone (services.models.text_decoder) and scores numpy arrays, so the service
+imports neither and starts in about a second."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from services.core.config import RunConfig
 from services.core.scoring import ScoringService
-from services.models.loading import load_tokenizer
-from services.models.roles import reward_model_path
-from services.reward.scorer import RewardScorer
+from services.reward.scorer import RewardScorer, reward_model_path
 from services.tasks import load_task
+
+
+def _tokenizer(path: Path) -> Any:
+    from services.models.text_decoder import TextDecoder
+
+    decoder = TextDecoder.load(path)
+    if decoder is not None:
+        return decoder
+    from services.models.loading import load_tokenizer  # a tokenizer without tokenizer.json: transformers'
+
+    return load_tokenizer(path)
 
 
 def serve(cfg: RunConfig) -> None:
     assert cfg.models.policy.path is not None, "the launcher resolves models.policy.path"
     task = load_task(cfg.task)
-    scorer = RewardScorer(task, load_tokenizer(Path(cfg.models.policy.path)), model_path=reward_model_path(cfg))
-    ScoringService(cfg, "reward", scorer.score_with_components).run()
+    model_path = reward_model_path(cfg)
+    scorer = RewardScorer(task, _tokenizer(Path(cfg.models.policy.path)), model_path=model_path)
+    ScoringService(cfg, "reward", scorer.score_with_components, arrays=model_path is None).run()

@@ -122,7 +122,7 @@ def test_overflowing_shape_rejected_before_allocation(
         raise AssertionError("allocated before validating the shape")
 
     monkeypatch.setattr(codec.np, "frombuffer", no_alloc)
-    monkeypatch.setattr(codec.torch, "from_numpy", no_alloc)
+    monkeypatch.setattr(torch, "from_numpy", no_alloc)
     with pytest.raises(WireError) as exc:
         tensor_from_proto(_msg("float32", shape, b""), max_bytes=MB, name="prompt_ids")
     assert exc.value.reason == "shape_overflow"
