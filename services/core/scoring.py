@@ -20,7 +20,7 @@ from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.runtime import ServiceRuntime
 from services.core.servicer import ServiceCalls
-from services.core.wire import parse_message, score_to_proto, validate_rollout_batch
+from services.core.wire import StageScores, parse_message, score_to_proto, validate_rollout_batch
 from services.core.worker import StreamWorker
 from services.rl.batch import Rollout
 
@@ -29,8 +29,10 @@ if TYPE_CHECKING:  # a type only: trainable pulls in the checkpoint code (torch 
 
 log = logging.getLogger("rlfleet.scoring")
 
-# A stage's scores [B] or [B, R]; the reward stage may also return its named components [B].
-ScoreFn = Callable[[Rollout], torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+# A stage's scores [B] or [B, R]; the reward stage may also return its named components [B], or all
+# of it as StageScores.
+ScoreFn = Callable[[Rollout], torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]] | StageScores]
 
 
 class ScoringService:
@@ -87,11 +89,18 @@ class ScoringService:
         with self.metrics.time_stage(self.stage):
             async with self.model_lock:
                 result = await asyncio.to_thread(self.score_fn, rollout)
-        scores, parts = result if isinstance(result, tuple) else (result, {})
-        out = score_to_proto(rb.batch_id, self.stage, rollout.task_ids, scores, version=self.version(),
-                             score_seconds=time.perf_counter() - t0, components=parts if len(parts) > 1 else None)
+        if not isinstance(result, StageScores):
+            result = StageScores(*result) if isinstance(result, tuple) else StageScores(result)
+        parts = result.components
+        out = score_to_proto(rb.batch_id, self.stage, rollout.task_ids, result.values, version=self.version(),
+                             score_seconds=time.perf_counter() - t0, components=parts if len(parts) > 1 else None,
+                             unscored=result.unscored)
         await self.bus.publish(self.bus.keys.scores, out.SerializeToString(), kind="score",
                                stage=self.stage, batch_id=rb.batch_id)
+        if result.unscored:
+            codes = sorted({r.split(":", 1)[0] for r in result.unscored.values()})
+            log.warning("rows unscored", extra={"batch_id": rb.batch_id, "rows": len(rollout),
+                                                "unscored": len(result.unscored), "reasons": codes})
         self.metrics.samples.labels(phase="score").inc(len(rollout))
         self.metrics.tokens.labels(phase="score").inc(int(rollout.response_mask.sum()))
         self.metrics.policy_version.set(self.version())
