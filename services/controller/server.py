@@ -29,6 +29,7 @@ from services.controller.recording import StepRecorder
 from services.controller.recovery import ROLLOUT
 from services.controller.sampling import FleetSampling
 from services.controller.trainables import Trainables
+from services.controller.unscored import end_unscored
 from services.core import ids
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
@@ -57,7 +58,6 @@ from services.rl.pipeline import batch_stats, compute_advantages
 from services.tasks import load_task
 
 log = logging.getLogger("rlfleet.controller")
-
 
 # The journal already holds what is being published: keep trying until Redis answers.
 UNTIL_REDIS = Policy(retry_on=(BusUnavailable,), initial_s=0.2, max_s=5.0)
@@ -240,7 +240,7 @@ class Controller:
         if not await self.durable(self.journal.put_result_if_absent, sb.batch_id, sb.stage, msg.data):
             return  # a redelivered score: already counted once
         self.reward_parts.keep(scores)
-        if self.assembler.add_score(sb.batch_id, sb.stage, scores.tensor):
+        if self.assembler.add_score(sb.batch_id, sb.stage, scores.tensor, scores.unscored):
             pbid = ids.prompt_batch_of(sb.batch_id)
             self.progress[pbid] = time.monotonic()
             if self.assembler.rollout_id_of(pbid) == sb.batch_id:
@@ -259,22 +259,24 @@ class Controller:
             task_ids = [t.task_id for t in self.admission.tasks(_first_of(pbid))]
             recs = [await asyncio.to_thread(self.journal.get, i) for i in task_ids]
             states = {r.state for r in recs if r is not None}
-            ended = {"dead"} if self.sampling is not None else {"dead", "trained"}
-            if states & ended or (states and all(r is not None and r.is_terminal for r in recs)):
-                # Its tasks already ended (a stage dead-lettered the batch): the join forgets it.
+            if states and all(r is not None and r.is_terminal for r in recs):
+                # Its tasks already ended (a stage dead-lettered the batch, steps trained it): forget it.
                 self.assembler.drop(pbid)
                 self.progress.pop(pbid, None)
                 return
-            # With dynamic sampling a batch's groups end one by one (dropped, or trained by a step).
+            # A batch's groups may end one by one (unscored rows, dropped, or trained by a step).
             self.assembler.exclude(pbid, [r.group_id for r in recs if r is not None and r.is_terminal])
             if "admitted" in states:
                 await self.durable(self.journal.mark_generated, task_ids, version, rid)
                 self.events.emit("generated", task_ids=task_ids, version=version)
             if complete:
+                ended = await end_unscored(self, pbid, recs)
+                if ended is None:  # every group had a row the reward could not score: forgotten
+                    return
                 if states & {"admitted", "generated"}:
                     for stage in self.stages:
                         await self.durable(self.journal.mark_stage_done, task_ids, stage)
-                    self.events.emit("scored", task_ids=task_ids)
+                    self.events.emit("scored", task_ids=[t for t in task_ids if t not in ended])
                 if self.sampling is not None:
                     await self.sampling.judge(pbid)
                 # Only now may a step take it: its tasks are `scored` in the journal.
@@ -343,7 +345,7 @@ class Controller:
         for first, taken in sorted(groups.items()):
             pbid = ids.batch_id(first)
             self.assembler.exclude(pbid, sorted(taken))  # group id == dataset index
-            if self.sampling is None or not self.assembler.kept_groups(pbid):
+            if not self.assembler.kept_groups(pbid):
                 self.assembler.drop(pbid)
                 self.progress.pop(pbid, None)
         log.info("resuming a journaled step", extra={"step": int(batch.step) + 1})
