@@ -90,6 +90,7 @@ class Controller:
         ds = cfg.algo.dynamic_sampling
         self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step, cfg.algo.group_size if ds else None)
         self.sampling = FleetSampling(self) if ds else None
+        self.surplus = self.sampling or FleetSampling(self)  # leftovers of split batches: see unscored.py
         self.trainables = Trainables(cfg, self.trainable, self.journal, self.events, lambda: self.version)
         self.recorder = StepRecorder(cfg.run_dir / "metrics.jsonl", self.metrics, self.events, self.journal,
                                      trackers=Trackers(cfg, run_id=self.journal.run_id or cfg.run.name))
@@ -97,8 +98,7 @@ class Controller:
         self.bus: Bus | None = None
         self.workers: list[StreamWorker] = []
         self.loops: list[asyncio.Task[None]] = []
-        self.done = False
-        self.stopping = asyncio.Event()  # a drain asked the loops to end
+        self.done, self.stopping = False, asyncio.Event()  # stopping: a drain asked the loops to end
         self.instance = f"controller-{os.getpid()}"
         # The highest version published in Redis for the trainables to catch up to; never lowered.
         # Publishes go one at a time so an older value can never land after a newer one.
@@ -391,8 +391,8 @@ class Controller:
                 await self.durable(self.journal.set_version, name, target)
             self.events.emit("trained", step=done_step, task_ids=r.task_ids, version=target - 1,
                              generated_versions=gen_versions)
+            await self.surplus.after_commit()
             if self.sampling is not None:
-                await self.sampling.after_commit()
                 stats.update(self.sampling.step_stats(done_step))
         await fault_point(run_dir, "journal_committed", done_step)
         for res in results:

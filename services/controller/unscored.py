@@ -3,7 +3,13 @@ reward's reason, and the batch's other groups train. A group trains whole or not
 rows of a group with an unscored row end `dead` too (`unscored_group`), since a group-relative
 advantage over the rows that happened to score would be measured against a baseline that silently
 lacks the failed one, and a step stays exactly `samples_per_step` rows of whole groups. Admission
-replaces every dead task, as for any other."""
+replaces every dead task, as for any other.
+
+A batch short of a group no longer adds up with whole batches to a step, so steps take groups and
+may split a batch over two steps; the admission window's slack (RunConfig.admission_window) lets a
+step that is one group short admit its next message. A leftover the next step may not train
+(`flow.max_staleness`) ends `dropped` as `surplus` after the commit, as with dynamic sampling
+(FleetSampling.after_commit): without a bad row, no batch is split and nothing is dropped."""
 
 from __future__ import annotations
 
