@@ -4,13 +4,20 @@ assembler, and counted by the evaluation, while the other rows keep their reward
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from services.controller.assembler import StepAssembler
+from services.controller.components import ComponentMeans
+from services.controller.unscored import GROUP_REASON, end_unscored
 from services.core.config import TaskSection
+from services.core.ids import task_id
+from services.core.journal import Journal, TaskSpec
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.wire import WireError, parse_message, score_from_proto, score_to_proto
 from services.models.engine import Completion, completions_to_rollout
@@ -153,3 +160,55 @@ def _never(prompts: Sequence[Prompt], completions: Sequence[str]) -> RewardResul
 
 def test_an_empty_batch_calls_no_reward() -> None:
     assert score_rows(_never, [], []).total == []
+
+
+class _Ctl:
+    """What end_unscored uses of the controller: a real journal and assembler, events and component means."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.journal = Journal.open(tmp / "j", sync=False, metasync=False)
+        self.assembler = StepAssembler(["reward"], samples_per_step=8)
+        self.reward_parts = ComponentMeans()
+        self.progress: dict[str, float] = {"b0": 0.0}
+        self.dead: list[tuple[str, str]] = []
+        self.events = self
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self.dead.append((fields["task_id"], fields["reason"]))
+
+    async def durable(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+
+def test_an_unscored_row_ends_dead_with_its_reason_and_takes_the_rest_of_its_group_along(tmp_path: Path) -> None:
+    ctl = _Ctl(tmp_path)
+    specs = [TaskSpec(task_id(i, k), i, k, i) for i in range(2) for k in range(2)]
+    ctl.journal.admit(specs, cursor=2)
+    ctl.journal.mark_generated([s.task_id for s in specs], 0, "b0:x")
+    ctl.assembler.add_rollout("b0:x", _group_rollout(0, 2, 2), order=0)
+    ctl.assembler.add_score("b0:x", "reward", torch.zeros(4), {"t1-0": "reward_error: reward 'f' raised"})
+    recs = [ctl.journal.get(s.task_id) for s in specs]
+    assert asyncio.run(end_unscored(ctl, "b0", recs)) == {"t1-0", "t1-1"}  # type: ignore[arg-type]
+    assert dict(ctl.dead) == {"t1-0": "reward_error: reward 'f' raised",
+                              "t1-1": f"{GROUP_REASON}: task t1-0 of its group could not be scored (reward_error);"
+                                      " a group trains whole"}
+    assert ctl.assembler.kept_groups("b0") == [0] and ctl.journal.get("t0-0").state == "generated"  # type: ignore[union-attr]
+    recs = [ctl.journal.get(s.task_id) for s in specs]
+    assert asyncio.run(end_unscored(ctl, "b0", recs)) == set(), "a replay ends nothing twice"  # type: ignore[arg-type]
+    ctl.assembler.add_score("b0:x", "reward", torch.zeros(4), {"t0-1": "bad_reward: x"})  # a later, second score
+    assert ctl.assembler.unscored_of("b0") == {"t1-0": "reward_error: reward 'f' raised"}, "the first score's set wins"
+    ctl.journal.close()
+
+
+def test_a_batch_whose_every_group_lost_a_row_is_forgotten(tmp_path: Path) -> None:
+    ctl = _Ctl(tmp_path)
+    specs = [TaskSpec(task_id(i, k), i, k, i) for i in range(2) for k in range(2)]
+    ctl.journal.admit(specs, cursor=2)
+    ctl.journal.mark_generated([s.task_id for s in specs], 0, "b0:x")
+    ctl.assembler.add_rollout("b0:x", _group_rollout(0, 2, 2), order=0)
+    ctl.assembler.add_score("b0:x", "reward", torch.zeros(4), {"t0-0": "reward_error: a", "t1-1": "reward_error: b"})
+    recs = [ctl.journal.get(s.task_id) for s in specs]
+    assert asyncio.run(end_unscored(ctl, "b0", recs)) is None  # type: ignore[arg-type]
+    assert ctl.assembler.pending() == 0 and "b0" not in ctl.progress
+    assert ctl.journal.counts()["dead"] == 4
+    ctl.journal.close()
