@@ -25,6 +25,9 @@
 #   TORCH_INDEX_URL  index for the torch step only, e.g. https://download.pytorch.org/whl/cpu for a CPU
 #                    torch from PyPI-less indexes (the slim controller image on a GPU host).
 #   PIP_INDEX_URL    a PyPI mirror, if any.
+#   PINNED           1 (default): the dependencies at the exact versions of constraints.txt (what `make
+#                    setup` installs; resolved on Python 3.11); 0: the newest pyproject.toml allows, e.g.
+#                    on a base image whose Python has no wheel for a pinned version.
 #   RLFLEET_UID      uid of the non-root user the services run as (default 10001); bind-mounted data
 #                    folders must be writable by it.
 #
@@ -42,6 +45,7 @@ FROM ${BASE_IMAGE} AS builder
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=
 ARG PIP_INDEX_URL=
+ARG PINNED=1
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_DEFAULT_TIMEOUT=120 DEBIAN_FRONTEND=noninteractive
 COPY docker/ensure_python.sh /usr/local/bin/rlfleet-ensure-python
 RUN sh /usr/local/bin/rlfleet-ensure-python
@@ -55,12 +59,14 @@ RUN set -eu; \
         ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"; \
     fi; \
     python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-COPY pyproject.toml /tmp/src/pyproject.toml
+COPY pyproject.toml constraints.txt /tmp/src/
 # Dependencies only (the source is not copied yet, so editing it reuses this layer); nvidia-ml-py for
-# GPU metrics and `rlfleet plan` (a no-op without a driver).
+# GPU metrics and `rlfleet plan` (a no-op without a driver). The constraints leave torch out: the
+# step above (TORCH_SPEC) decides it, and a pin here would replace a base image's own torch.
 RUN set -eu; \
     python -c "import tomllib; d = tomllib.load(open('/tmp/src/pyproject.toml', 'rb')); print('\n'.join(d['project']['dependencies'] + d['project']['optional-dependencies']['gpu']))" > /tmp/requirements.txt; \
-    pip install --find-links /tmp/wheels ${PIP_INDEX_URL:+--index-url "$PIP_INDEX_URL"} -r /tmp/requirements.txt; \
+    if [ "$PINNED" = 1 ]; then grep -v '^torch==' /tmp/src/constraints.txt > /tmp/constraints.txt; else : > /tmp/constraints.txt; fi; \
+    pip install --find-links /tmp/wheels ${PIP_INDEX_URL:+--index-url "$PIP_INDEX_URL"} -c /tmp/constraints.txt -r /tmp/requirements.txt; \
     pip check
 
 # ---------------------------------------------------------------------------------------------------

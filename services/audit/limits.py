@@ -6,6 +6,7 @@ every entry on prompts, rollouts and scores carries at least one in-flight task,
 tasks also bounds entries):
 
     window   = RunConfig.admission_window = (flow.max_staleness + 1) * samples_per_step
+                                   + (batch.prompts_per_message - 1) * algo.group_size
                                    the controller admits a prompt message only while
                                    in_flight + its tasks <= window, so in flight never exceeds it
                                    (`limits["max_in_flight"]` overrides)

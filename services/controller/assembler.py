@@ -5,14 +5,17 @@ rebuilds it from the journal after a restart. A prompt batch may be generated tw
 after an actor crash); the first rollout recorded wins and scores for any other are ignored, so a
 task never counts twice.
 
-With dynamic sampling (`group_size` given) a step is made of groups, not whole batches: groups the
-filter dropped, and groups an earlier step took, leave their batch (`exclude`), and a step takes
-the first `samples_per_step` kept samples in dataset order, waiting for every batch admitted
-before them (`expect`), so the fleet picks exactly the groups the local loop picks.
+A step is made of groups: groups that left the run (the reward could not score one of their rows;
+with dynamic sampling, groups the filter dropped) and groups an earlier step took leave their batch
+(`exclude`), so a batch may be split over two steps. Without dynamic sampling a step takes the kept
+groups of the oldest complete batches; with it (`group_size` given) the first `samples_per_step` kept
+samples in dataset order, waiting for every batch admitted before them (`expect`), so the fleet
+picks exactly the groups the local loop picks.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,9 +39,11 @@ class StepAssembler:
     def __init__(self, stages: Sequence[str], samples_per_step: int, group_size: int | None = None) -> None:
         self.stages = list(stages)
         self.samples_per_step = samples_per_step
-        self.group_size = group_size  # set: steps are made of groups, in dataset order
+        self.group_size = group_size  # set (dynamic sampling): steps take groups in dataset order
         self._by_batch: dict[str, _Entry] = {}
         self._early: dict[str, dict[str, torch.Tensor]] = {}  # scores that beat their rollout here
+        # Rollout id -> the rows its reward could not score (task id -> reason).
+        self._unscored: dict[str, dict[str, str]] = {}
 
     def expect(self, prompt_batch_id: str, order: int) -> None:
         """A batch was admitted: with group steps, no later batch may fill a step before it."""
@@ -54,10 +59,14 @@ class StepAssembler:
         e.scores.update(self._early.pop(rollout_id, {}))
         return True
 
-    def add_score(self, rollout_id: str, stage: str, value: torch.Tensor) -> bool:
-        """Record a stage's result; False when it is a duplicate or belongs to a losing rollout."""
+    def add_score(self, rollout_id: str, stage: str, value: torch.Tensor,
+                  unscored: dict[str, str] | None = None) -> bool:
+        """Record a stage's result (and the rows the reward could not score); False when it is a
+        duplicate or belongs to a losing rollout."""
         if stage not in self.stages:
             raise ValueError(f"score for stage {stage!r}, which this run does not use ({self.stages})")
+        if unscored:
+            self._unscored.setdefault(rollout_id, dict(unscored))
         e = self._by_batch.get(prompt_batch_of(rollout_id))
         if e is None or e.rollout_id is None:  # no rollout yet (at most `expect`ed): keep it for it
             early = self._early.setdefault(rollout_id, {})
@@ -69,6 +78,11 @@ class StepAssembler:
             return False
         e.scores[stage] = value
         return True
+
+    def unscored_of(self, prompt_batch_id: str) -> dict[str, str]:
+        """The rows of the batch's winning rollout that its reward could not score."""
+        rid = self.rollout_id_of(prompt_batch_id)
+        return self._unscored.get(rid, {}) if rid is not None else {}
 
     def rollout_id_of(self, prompt_batch_id: str) -> str | None:
         e = self._by_batch.get(prompt_batch_id)
@@ -121,51 +135,34 @@ class StepAssembler:
         e = self._by_batch.pop(prompt_batch_id, None)
         if e is not None and e.rollout_id is not None:
             self._early.pop(e.rollout_id, None)
+            self._unscored.pop(e.rollout_id, None)
 
     def pending(self) -> int:
         return len(self._by_batch)
 
     def take_step(self) -> list[tuple[str, Rollout]] | None:
-        """The oldest complete batches adding up to exactly one step, scores attached; None if not
-        enough are complete yet. Batches are removed from the assembler when taken."""
-        if self.group_size is not None:
-            return self._take_groups(self.group_size)
-        chosen: list[str] = []
-        n = 0
-        for pb in self.complete():
-            size = len(self.rollout_of(pb))
-            if n + size > self.samples_per_step:
-                break
-            chosen.append(pb)
-            n += size
-        if n != self.samples_per_step:
-            return None
-        out = []
-        for pb in chosen:
-            e = self._by_batch.pop(pb)
-            assert e.rollout is not None and e.rollout_id is not None
-            r = e.rollout
-            r.rewards = e.scores.get("reward")
-            r.ref_logprobs = e.scores.get("reference")
-            r.values = e.scores.get("critic")
-            out.append((e.rollout_id, r))
-        return out
-
-    def _take_groups(self, group_size: int) -> list[tuple[str, Rollout]] | None:
-        """The first kept groups in dataset order making exactly one step; None while a batch
-        before them is not complete, or too few are kept. Taken groups leave their batch."""
-        need = self.samples_per_step // group_size
+        """Kept groups of complete batches adding up to exactly one step, oldest batch first,
+        scores attached; None if not enough are complete yet (with `in_order`: while a batch before
+        them is not complete). Taken groups leave their batch; a batch is removed once none is left."""
+        need, n = self.samples_per_step, 0
         chosen: list[tuple[str, list[int]]] = []
-        n = 0
         for pb in self.batches():
             if n == need:
                 break
-            if not self._by_batch[pb].ready:
-                return None
-            take = self.kept_groups(pb)[: need - n]
+            e = self._by_batch[pb]
+            if not e.ready:
+                if self.group_size is not None:
+                    return None
+                continue
+            assert e.rollout is not None
+            sizes = Counter(e.rollout.group_ids.tolist())
+            take = []
+            for g in self.kept_groups(pb):
+                if n + sizes[g] <= need:
+                    take.append(g)
+                    n += sizes[g]
             if take:
                 chosen.append((pb, take))
-                n += len(take)
         if n < need:
             return None
         out = []
@@ -174,10 +171,14 @@ class StepAssembler:
             assert e.rollout is not None and e.rollout_id is not None
             wanted = set(groups)
             rows = [i for i, g in enumerate(e.rollout.group_ids.tolist()) if g in wanted]
-            r = e.rollout.select(rows)
-            idx = torch.tensor(rows, dtype=torch.long)
-            r.rewards, r.ref_logprobs, r.values = (
-                e.scores[s][idx] if s in e.scores else None for s in ("reward", "reference", "critic"))
+            if len(rows) == len(e.rollout):  # the whole batch: no copy
+                r = e.rollout
+                r.rewards, r.ref_logprobs, r.values = (e.scores.get(s) for s in ("reward", "reference", "critic"))
+            else:
+                r = e.rollout.select(rows)
+                idx = torch.tensor(rows, dtype=torch.long)
+                r.rewards, r.ref_logprobs, r.values = (
+                    e.scores[s][idx] if s in e.scores else None for s in ("reward", "reference", "critic"))
             e.gone |= wanted
             if not self.kept_groups(pb):
                 self.drop(pb)

@@ -6,7 +6,9 @@ local loop does. The results go to metrics.jsonl (the step's row), Prometheus an
 
 Evaluation reads nothing from and writes nothing to the journal, the streams or training, so it
 cannot disturb exactly-once or replay; a failed one (actor away, timeout, a prompt that cannot be
-encoded) is one log line and is skipped, never a failed step.
+encoded) is one log line and is skipped, never a failed step. A configured reward runs in a child
+process bounded by `task.reward_timeout_s`, as in the reward service: rows it cannot score are
+counted (`eval_unscored`) and the others reported; a reward that times out counts every row.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from services.core.metrics import ServiceMetrics
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.runtime import rpc
 from services.core.wire import message
+from services.reward.worker import RewardStopped, RewardWorker
 from services.tasks import evaluation as ev
 from services.tasks.base import Prompt, Task
+from services.tasks.rewards import configured_reward
 
 log = logging.getLogger("rlfleet.controller.eval")
 
@@ -51,6 +55,8 @@ class Evaluation:
         self.samples = AppendOnlyFile(cfg.run_dir / ev.SAMPLES_FILE, fsync=False)
         self.before: dict[str, float] = {}
         self._prompts: tuple[list[Prompt], list[list[int]]] | None = None
+        self.worker = (RewardWorker(cfg.task, cfg.task.reward_timeout_s)
+                       if self.n and not self.reward_model and configured_reward(cfg.task) else None)
         if self.reward_model and self.n:
             log.info("eval reward unavailable: the run's reward is a reward model (models.reward); samples only")
 
@@ -94,8 +100,7 @@ class Evaluation:
             if len(rows) != len(ids):
                 raise EvalFailed(f"the actor returned {len(rows)} completions for {len(ids)} prompts")
             texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
-            results[mode] = await asyncio.to_thread(ev.evaluate_mode, self.task, mode, prompts, texts,
-                                                    reward_model=self.reward_model)
+            results[mode] = await asyncio.to_thread(self._evaluate, mode, prompts, texts)
         self.samples.append("".join(ev.sample_lines(step, version, prompts, results)).encode())
         out = ev.metrics_of(results, suffix)
         for mode, res in results.items():
@@ -105,6 +110,15 @@ class Evaluation:
                 self.metrics.eval_accuracy.labels(mode=mode).set(res.accuracy)
         log.info("evaluation", extra={"step": step, "version": version, "prompts": len(prompts), **out})
         return out
+
+    def _evaluate(self, mode: ev.Mode, prompts: list[Prompt], texts: list[str]) -> ev.ModeResult:
+        scorer = self.worker.score if self.worker is not None else None
+        try:
+            return ev.evaluate_mode(self.task, mode, prompts, texts, reward_model=self.reward_model, scorer=scorer)
+        except RewardStopped as e:
+            log.warning("evaluation reward stopped; its rows count unscored",
+                        extra={"mode": mode, "reason": e.reason, "error": str(e)[:300]})
+            return ev.unscored_result(self.task, mode, texts)
 
     def _held_out(self) -> tuple[list[Prompt], list[list[int]]]:
         if self._prompts is None:
@@ -143,3 +157,5 @@ class Evaluation:
 
     def close(self) -> None:
         self.samples.close()
+        if self.worker is not None:
+            self.worker.close()

@@ -87,7 +87,7 @@ async def reconcile(ctl: Controller) -> None:
                 sb = parse_message(pb.ScoreBatch, s_raw, max_bytes=max_bytes)
                 scores = score_from_proto(sb, max_bytes=max_bytes)
                 ctl.reward_parts.keep(scores)
-                ctl.assembler.add_score(rbm.batch_id, stage, scores.tensor)
+                ctl.assembler.add_score(rbm.batch_id, stage, scores.tensor, scores.unscored)
         await ctl.sync_states(pbid)
     if batches:
         log.info("reconciled journal", extra={"non_terminal_tasks": len(pending), "batches": len(batches)})

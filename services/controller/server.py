@@ -29,6 +29,7 @@ from services.controller.recording import StepRecorder
 from services.controller.recovery import ROLLOUT
 from services.controller.sampling import FleetSampling
 from services.controller.trainables import Trainables
+from services.controller.unscored import end_unscored
 from services.core import ids
 from services.core.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.config import RunConfig
@@ -57,7 +58,6 @@ from services.rl.pipeline import batch_stats, compute_advantages
 from services.tasks import load_task
 
 log = logging.getLogger("rlfleet.controller")
-
 
 # The journal already holds what is being published: keep trying until Redis answers.
 UNTIL_REDIS = Policy(retry_on=(BusUnavailable,), initial_s=0.2, max_s=5.0)
@@ -90,6 +90,7 @@ class Controller:
         ds = cfg.algo.dynamic_sampling
         self.assembler = StepAssembler(list(self.stages), cfg.samples_per_step, cfg.algo.group_size if ds else None)
         self.sampling = FleetSampling(self) if ds else None
+        self.surplus = self.sampling or FleetSampling(self)  # leftovers of split batches: see unscored.py
         self.trainables = Trainables(cfg, self.trainable, self.journal, self.events, lambda: self.version)
         self.recorder = StepRecorder(cfg.run_dir / "metrics.jsonl", self.metrics, self.events, self.journal,
                                      trackers=Trackers(cfg, run_id=self.journal.run_id or cfg.run.name))
@@ -97,8 +98,7 @@ class Controller:
         self.bus: Bus | None = None
         self.workers: list[StreamWorker] = []
         self.loops: list[asyncio.Task[None]] = []
-        self.done = False
-        self.stopping = asyncio.Event()  # a drain asked the loops to end
+        self.done, self.stopping = False, asyncio.Event()  # stopping: a drain asked the loops to end
         self.instance = f"controller-{os.getpid()}"
         # The highest version published in Redis for the trainables to catch up to; never lowered.
         # Publishes go one at a time so an older value can never land after a newer one.
@@ -240,7 +240,7 @@ class Controller:
         if not await self.durable(self.journal.put_result_if_absent, sb.batch_id, sb.stage, msg.data):
             return  # a redelivered score: already counted once
         self.reward_parts.keep(scores)
-        if self.assembler.add_score(sb.batch_id, sb.stage, scores.tensor):
+        if self.assembler.add_score(sb.batch_id, sb.stage, scores.tensor, scores.unscored):
             pbid = ids.prompt_batch_of(sb.batch_id)
             self.progress[pbid] = time.monotonic()
             if self.assembler.rollout_id_of(pbid) == sb.batch_id:
@@ -259,22 +259,24 @@ class Controller:
             task_ids = [t.task_id for t in self.admission.tasks(_first_of(pbid))]
             recs = [await asyncio.to_thread(self.journal.get, i) for i in task_ids]
             states = {r.state for r in recs if r is not None}
-            ended = {"dead"} if self.sampling is not None else {"dead", "trained"}
-            if states & ended or (states and all(r is not None and r.is_terminal for r in recs)):
-                # Its tasks already ended (a stage dead-lettered the batch): the join forgets it.
+            if states and all(r is not None and r.is_terminal for r in recs):
+                # Its tasks already ended (a stage dead-lettered the batch, steps trained it): forget it.
                 self.assembler.drop(pbid)
                 self.progress.pop(pbid, None)
                 return
-            # With dynamic sampling a batch's groups end one by one (dropped, or trained by a step).
+            # A batch's groups may end one by one (unscored rows, dropped, or trained by a step).
             self.assembler.exclude(pbid, [r.group_id for r in recs if r is not None and r.is_terminal])
             if "admitted" in states:
                 await self.durable(self.journal.mark_generated, task_ids, version, rid)
                 self.events.emit("generated", task_ids=task_ids, version=version)
             if complete:
+                ended = await end_unscored(self, pbid, recs)
+                if ended is None:  # every group had a row the reward could not score: forgotten
+                    return
                 if states & {"admitted", "generated"}:
                     for stage in self.stages:
                         await self.durable(self.journal.mark_stage_done, task_ids, stage)
-                    self.events.emit("scored", task_ids=task_ids)
+                    self.events.emit("scored", task_ids=[t for t in task_ids if t not in ended])
                 if self.sampling is not None:
                     await self.sampling.judge(pbid)
                 # Only now may a step take it: its tasks are `scored` in the journal.
@@ -343,7 +345,7 @@ class Controller:
         for first, taken in sorted(groups.items()):
             pbid = ids.batch_id(first)
             self.assembler.exclude(pbid, sorted(taken))  # group id == dataset index
-            if self.sampling is None or not self.assembler.kept_groups(pbid):
+            if not self.assembler.kept_groups(pbid):
                 self.assembler.drop(pbid)
                 self.progress.pop(pbid, None)
         log.info("resuming a journaled step", extra={"step": int(batch.step) + 1})
@@ -389,8 +391,8 @@ class Controller:
                 await self.durable(self.journal.set_version, name, target)
             self.events.emit("trained", step=done_step, task_ids=r.task_ids, version=target - 1,
                              generated_versions=gen_versions)
+            await self.surplus.after_commit()
             if self.sampling is not None:
-                await self.sampling.after_commit()
                 stats.update(self.sampling.step_stats(done_step))
         await fault_point(run_dir, "journal_committed", done_step)
         for res in results:

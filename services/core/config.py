@@ -390,10 +390,13 @@ class RunConfig(_Strict):
     @property
     def admission_window(self) -> int:
         """The most tasks in flight (admitted, not yet trained or dead): the staleness budget. With
-        `flow.max_staleness` n, generation may run up to n steps ahead of training. Dynamic sampling
-        adds one message less one group: the controller then admits while fewer groups are in flight
-        than the steps need, so a step that is one kept group short can always admit its next message."""
-        extra = (self.batch.prompts_per_message - 1) * self.algo.group_size if self.algo.dynamic_sampling else 0
+        `flow.max_staleness` n, generation may run up to n steps ahead of training. Plus one message
+        less one group: groups that leave a batch (a row the reward could not score; with dynamic
+        sampling, groups the filter drops) leave fewer tasks in flight than the steps need, and the
+        controller then still admits, so a step that is one group short can always admit its next
+        message. A run that loses no group holds whole messages in flight, so this slack (less than
+        a message) admits nothing more there."""
+        extra = (self.batch.prompts_per_message - 1) * self.algo.group_size
         return (self.flow.max_staleness + 1) * self.samples_per_step + extra
 
     def stages(self) -> list[ServiceName]:

@@ -74,6 +74,12 @@ class TaskSection(_Strict):
     # Several rewards summed with weights; each component is logged.
     rewards: list[RewardSpec] = Field(default_factory=list)
     eval_size: Annotated[int, Field(ge=0)] = 64
+    # Seconds a configured reward (`reward_fn`, `reward_path`, `rewards`) may take on one batch (one
+    # rollout message, or one evaluation pass), the isolation of its failing rows included. It runs
+    # in a child process of its service: past this the child is killed and restarted, the batch's
+    # tasks end dead with reason `reward_timeout` (an evaluation counts its rows unscored), and the
+    # run goes on. A task's own built-in reward runs in-process, unbounded.
+    reward_timeout_s: Annotated[float, Field(gt=0, le=86400)] = 60.0
 
     @model_validator(mode="before")
     @classmethod

@@ -19,7 +19,7 @@ from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.runtime import ServiceRuntime
 from services.core.servicer import ServiceCalls
-from services.core.wire import RolloutArrays, parse_message, score_to_proto, validate_rollout_arrays
+from services.core.wire import RolloutArrays, StageScores, parse_message, score_to_proto, validate_rollout_arrays
 from services.core.worker import StreamWorker
 
 if TYPE_CHECKING:  # types only: trainable pulls in the checkpoint code (torch DCP, peft), ~3 s of imports
@@ -28,9 +28,10 @@ if TYPE_CHECKING:  # types only: trainable pulls in the checkpoint code (torch D
 
 log = logging.getLogger("rlfleet.scoring")
 
-# A stage's scores [B] or [B, R]; the reward stage may also return its named components [B]. A scorer
-# that runs a model takes a torch Rollout; one that runs none (a reward function) may take the
-# RolloutArrays and return numpy arrays, and its service then never imports torch.
+# A stage's scores [B] or [B, R]; the reward stage may also return its named components [B], or all
+# of it with the rows it could not score as StageScores. A scorer that runs a model takes a torch
+# Rollout; one that runs none (a reward function) may take the RolloutArrays and return numpy arrays,
+# and its service then never imports torch.
 ScoreFn = Callable[[Any], Any]
 
 
@@ -90,11 +91,18 @@ class ScoringService:
         with self.metrics.time_stage(self.stage):
             async with self.model_lock:
                 result = await asyncio.to_thread(self.score_fn, rollout)
-        scores, parts = result if isinstance(result, tuple) else (result, {})
-        out = score_to_proto(rb.batch_id, self.stage, rollout.task_ids, scores, version=self.version(),
-                             score_seconds=time.perf_counter() - t0, components=parts if len(parts) > 1 else None)
+        if not isinstance(result, StageScores):
+            result = StageScores(*result) if isinstance(result, tuple) else StageScores(result)
+        parts = result.components
+        out = score_to_proto(rb.batch_id, self.stage, rollout.task_ids, result.values, version=self.version(),
+                             score_seconds=time.perf_counter() - t0, components=parts if len(parts) > 1 else None,
+                             unscored=result.unscored)
         await self.bus.publish(self.bus.keys.scores, out.SerializeToString(), kind="score",
                                stage=self.stage, batch_id=rb.batch_id)
+        if result.unscored:
+            codes = sorted({r.split(":", 1)[0] for r in result.unscored.values()})
+            log.warning("rows unscored", extra={"batch_id": rb.batch_id, "rows": len(rollout),
+                                                "unscored": len(result.unscored), "reasons": codes})
         self.metrics.samples.labels(phase="score").inc(len(rollout))
         self.metrics.tokens.labels(phase="score").inc(int(rollout.response_mask.sum()))
         self.metrics.policy_version.set(self.version())

@@ -244,13 +244,31 @@ class Scores:
     score_seconds: float = 0.0
     # stage reward with several weighted rewards: each component's unweighted [B] float32 values.
     components: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # stage reward: task id -> reason of each row the reward could not score (its value is 0).
+    unscored: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclass
+class StageScores:
+    """What a scoring stage hands to `score_to_proto`: values [B] or [B, R], the reward's named
+    components [B], and the rows the reward could not score (task id -> reason; their values are
+    placeholders the controller never trains on)."""
+
+    values: torch.Tensor | Array
+    components: Mapping[str, torch.Tensor | Array] = dataclasses.field(default_factory=dict)
+    unscored: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+# The longest reason an unscored row may carry (the journal keeps 500 characters of a dead reason).
+MAX_UNSCORED_REASON = 500
 
 
 def score_to_proto(batch_id: str, stage: str, task_ids: Sequence[str], scores: torch.Tensor | Array, *,
                    version: int = 0, score_seconds: float = 0.0,
-                   components: Mapping[str, torch.Tensor | Array] | None = None) -> pb.ScoreBatch:
+                   components: Mapping[str, torch.Tensor | Array] | None = None,
+                   unscored: Mapping[str, str] | None = None) -> pb.ScoreBatch:
     """Encode one stage's output (rewards [B], or ref log-probs / values [B, R]) as float32, with
-    the reward's components [B] when there are several."""
+    the reward's components [B] when there are several and the rows it could not score."""
     if stage not in STAGE_FIELDS:
         raise WireError("unknown_stage", f"ScoreBatch {batch_id!r}: unknown stage {stage!r};"
                         f" expected one of {', '.join(STAGE_FIELDS)}")
@@ -259,6 +277,8 @@ def score_to_proto(batch_id: str, stage: str, task_ids: Sequence[str], scores: t
     _encode(scores, "float32", getattr(msg, STAGE_FIELDS[stage]))
     for name, values in (components or {}).items():
         _encode(values, "float32", msg.reward_components[name])
+    for tid, reason in (unscored or {}).items():
+        msg.unscored[tid] = reason[:MAX_UNSCORED_REASON]
     return msg
 
 
@@ -287,6 +307,7 @@ def score_from_proto(msg: pb.ScoreBatch, *, max_bytes: int, expected_stage: str 
     t = _tensor(msg, field, owner, max_bytes=max_bytes, dtype="float32", shape=shape)
     _require_finite(t, field)
     components = _reward_components(msg, owner, b, max_bytes)
+    unscored = _unscored(msg, owner)
     if limits is not None:
         limits.check_reward_components(components, owner)
         limits.check_task_ids(msg.task_ids, owner)
@@ -296,7 +317,26 @@ def score_from_proto(msg: pb.ScoreBatch, *, max_bytes: int, expected_stage: str 
                             f" generation.max_new_tokens {limits.max_new_tokens}")
     return Scores(batch_id=msg.batch_id, stage=msg.stage, task_ids=list(msg.task_ids),
                   version=int(msg.version), tensor=torch_of(t, "float32"), score_seconds=float(msg.score_seconds),
-                  components={k: torch_of(v, "float32") for k, v in components.items()})
+                  components={k: torch_of(v, "float32") for k, v in components.items()}, unscored=unscored)
+
+
+def _unscored(msg: pb.ScoreBatch, owner: str) -> dict[str, str]:
+    """Rows of the batch, each with a reason, and not all of them (a batch the reward could not
+    score at all is dead-lettered, not published)."""
+    if not msg.unscored:
+        return {}
+    if msg.stage != "reward":
+        raise WireError("unexpected_field", f"{owner}: stage {msg.stage!r} must not set unscored")
+    rows = set(msg.task_ids)
+    for tid, reason in msg.unscored.items():
+        if tid not in rows:
+            raise WireError("unknown_tasks", f"{owner}: unscored names task {tid[:64]!r}, not a row of the batch")
+        if not reason.strip() or len(reason) > MAX_UNSCORED_REASON:
+            raise WireError("bad_reason", f"{owner}: unscored task {tid[:64]!r} needs a reason of 1 to"
+                            f" {MAX_UNSCORED_REASON} characters, got {len(reason)}")
+    if len(msg.unscored) >= len(rows):
+        raise WireError("shape_mismatch", f"{owner}: every row is unscored; such a batch is dead-lettered")
+    return dict(msg.unscored)
 
 
 def _reward_components(msg: pb.ScoreBatch, owner: str, rows: int, max_bytes: int) -> dict[str, Array]:

@@ -1,22 +1,30 @@
 """Sequence rewards: the task's reward (its rule, a user function, or several weighted ones; see
 services.tasks.rewards), or a reward model. A reward that cannot be computed (it raises, returns a
-non-number or NaN/inf, or its row cannot be read) is a bad result, never a training signal: it
-raises `BadReward` with a named reason, and the worker dead-letters the batch so its tasks end
-dead with that reason while the run goes on."""
+non-number or NaN/inf, or its row cannot be read) is a bad result, never a training signal.
+
+The reward service scores with `score_rows`: the rows the reward fails on are isolated
+(services.tasks.reward_rows) and named in the ScoreBatch, so only their tasks end dead; a batch it
+cannot score at all (every row fails, the reward times out or its process dies, a row cannot be
+read) raises `BadReward` with a named reason, and the worker dead-letters the batch so its tasks
+end dead with that reason while the run goes on. The local loop's `score_with_components` raises
+`BadReward` on any bad row.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from services.core.ids import parse_task_id
-from services.core.wire import RolloutArrays
+from services.core.wire import RolloutArrays, StageScores
+from services.reward.worker import RewardStopped, RewardWorker
 from services.tasks.base import Prompt, Task, TaskError
+from services.tasks.reward_rows import RowScores, score_rows
 from services.tasks.rewards import RewardError, RewardResult, RewardSet, make_component
 
 if TYPE_CHECKING:  # torch only with a reward model: a reward function scores RolloutArrays (numpy)
@@ -48,9 +56,12 @@ def reward_model_path(cfg: RunConfig) -> Path | None:
 
 
 class RewardScorer:
-    def __init__(self, task: Task, tokenizer, fn: RewardFn | None = None, model_path: Path | None = None):  # type: ignore[no-untyped-def]
+    def __init__(self, task: Task, tokenizer, fn: RewardFn | None = None, model_path: Path | None = None,  # type: ignore[no-untyped-def]
+                 worker: RewardWorker | None = None):
         self.task = task
         self.tokenizer = tokenizer
+        # Set: the task's reward runs in this child process, bounded in time (services.reward.worker).
+        self.worker = worker
         # An explicit `fn` replaces the task's reward; otherwise the task scores (its reward set).
         self.rewards: RewardSet | None = (
             RewardSet([make_component(fn, getattr(fn, "__name__", "reward_fn"), 1.0, task.field_names)])
@@ -70,7 +81,7 @@ class RewardScorer:
     def _one(self, prompt: Prompt, completion: str) -> float:
         return self.score_texts([prompt], [completion]).total[0]
 
-    def score_texts(self, prompts: list[Prompt], completions: list[str]) -> RewardResult:
+    def score_texts(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> RewardResult:
         if self.rewards is not None:
             return self.rewards.score(prompts, completions)
         return self.task.score(prompts, completions)
@@ -123,3 +134,27 @@ class RewardScorer:
 
     def score(self, r: Rollout | RolloutArrays) -> Any:
         return self.score_with_components(r)[0]
+
+    def score_rows(self, r: Rollout | RolloutArrays) -> StageScores:
+        """The reward service's scoring: rewards [B], components, and the rows that could not be scored
+        (numpy for RolloutArrays, as `score_with_components`)."""
+        if self.model is not None:
+            return StageScores(*self.score_with_components(r))
+        prompts, texts = self.prompts(r), self.completions(r)
+        try:
+            rows: RowScores = (self.worker.score(prompts, texts) if self.worker is not None
+                               else score_rows(self.score_texts, prompts, texts))
+        except RewardStopped as e:
+            raise BadReward(str(e), reason=e.reason) from None
+        if rows.failed and not rows.scored:  # nothing to train on: the batch is dead-lettered whole
+            first = rows.failed[min(rows.failed)]
+            raise BadReward(f"no row of the batch could be scored; first: {first.message}", reason=first.reason)
+        self.last_components = rows.means()
+        total: Any = np.asarray(rows.total, dtype=np.float32)
+        parts: dict[str, Any] = {k: np.asarray(v, dtype=np.float32) for k, v in rows.components.items()}
+        if not isinstance(r, RolloutArrays):
+            import torch
+
+            total, parts = torch.from_numpy(total), {k: torch.from_numpy(v) for k, v in parts.items()}
+        unscored = {r.task_ids[i]: f"{f.reason}: {f.message}" for i, f in sorted(rows.failed.items())}
+        return StageScores(total, parts, unscored)

@@ -5,19 +5,25 @@ controller the actor's `Generate`.
 
 Both modes run on the same prompts: greedy (argmax) and sampled at the training temperature with a
 seed fixed for the run, so an evaluation is reproducible and the fleet's equals the local loop's.
+A row the reward cannot score (it raises, returns NaN...) is left out of the means and counted
+(`eval_unscored`), as is every row of an evaluation whose reward timed out; the others still count.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from services.tasks.base import Prompt, Task
 from services.tasks.chat import encode_prompt
+from services.tasks.reward_rows import RowScores, score_rows
+
+# Scores a batch row by row: in-process (`score_rows` on the task's reward) or in a reward worker.
+RowScorer = Callable[[Sequence[Prompt], Sequence[str]], RowScores]
 
 Mode = Literal["greedy", "sampled"]
 MODES: tuple[Mode, ...] = ("greedy", "sampled")
@@ -48,40 +54,57 @@ def encode_eval_prompts(task: Task, tokenizer: Any, prompts: Sequence[Prompt]) -
 class ModeResult:
     mode: Mode
     completions: list[str]
-    # None: the run's reward cannot be computed outside the reward service (a reward model).
-    rewards: list[float] | None
+    # None: the run's reward cannot be computed outside the reward service (a reward model); an
+    # element None: a row the reward could not score.
+    rewards: list[float | None] | None
     correct_at: float | None
 
     @property
+    def scored(self) -> list[float]:
+        return [r for r in self.rewards or () if r is not None]
+
+    @property
+    def unscored(self) -> int:
+        return 0 if self.rewards is None else len(self.rewards) - len(self.scored)
+
+    @property
     def reward(self) -> float | None:
-        if not self.rewards:
-            return None
-        return math.fsum(self.rewards) / len(self.rewards)
+        rows = self.scored
+        return math.fsum(rows) / len(rows) if rows else None
 
     @property
     def accuracy(self) -> float | None:
-        if not self.rewards or self.correct_at is None:
+        rows = self.scored
+        if not rows or self.correct_at is None:
             return None
-        return sum(r >= self.correct_at for r in self.rewards) / len(self.rewards)
+        return sum(r >= self.correct_at for r in rows) / len(rows)
 
 
 def score(task: Task, prompts: Sequence[Prompt], completions: Sequence[str], *,
-          reward_model: bool) -> list[float] | None:
-    """The task's reward for each completion, as the reward service computes it; None with a reward model."""
+          reward_model: bool, scorer: RowScorer | None = None) -> list[float | None] | None:
+    """The task's reward for each completion as the reward service computes it (None for a row it
+    could not score); None with a reward model."""
     if reward_model:
         return None
-    return list(task.score(list(prompts), list(completions)).total)
+    rows = scorer(prompts, completions) if scorer is not None else score_rows(task.score, prompts, completions)
+    return [None if i in rows.failed else v for i, v in enumerate(rows.total)]
 
 
 def evaluate_mode(task: Task, mode: Mode, prompts: Sequence[Prompt], completions: Sequence[str], *,
-                  reward_model: bool) -> ModeResult:
-    rewards = score(task, prompts, completions, reward_model=reward_model)
+                  reward_model: bool, scorer: RowScorer | None = None) -> ModeResult:
+    rewards = score(task, prompts, completions, reward_model=reward_model, scorer=scorer)
     return ModeResult(mode, list(completions), rewards, None if reward_model else task.correct_at)
+
+
+def unscored_result(task: Task, mode: Mode, completions: Sequence[str]) -> ModeResult:
+    """An evaluation whose reward could not score any row (it timed out): every row counts unscored."""
+    return ModeResult(mode, list(completions), [None] * len(completions), task.correct_at)
 
 
 def metrics_of(results: Mapping[Mode, ModeResult], suffix: str = "") -> dict[str, float]:
     """The metrics.jsonl keys: eval_reward (sampled, as the local loop always wrote), eval_reward_greedy,
-    and eval_accuracy[_greedy] where the task knows what correct is; `suffix` "_before" for the
+    and eval_accuracy[_greedy] where the task knows what correct is, over the rows the reward scored;
+    eval_unscored[_greedy], the rows it could not, when there are any; `suffix` "_before" for the
     evaluation before training."""
     row: dict[str, float] = {}
     for mode, res in results.items():
@@ -90,6 +113,8 @@ def metrics_of(results: Mapping[Mode, ModeResult], suffix: str = "") -> dict[str
             row[f"eval_reward{tail}{suffix}"] = res.reward
         if res.accuracy is not None:
             row[f"eval_accuracy{tail}{suffix}"] = res.accuracy
+        if res.unscored:
+            row[f"eval_unscored{tail}{suffix}"] = float(res.unscored)
     return row
 
 

@@ -296,6 +296,11 @@ def _builtin(name: str, task: Task) -> Callable[..., Any]:
     return math_verify_reward
 
 
+def configured_reward(section: TaskSection) -> bool:
+    """Whether the config names a reward (user code, or built-ins it combines) rather than the task's own."""
+    return bool(section.rewards or section.reward_fn or section.reward_path)
+
+
 def build_reward_set(section: TaskSection, task: Task) -> RewardSet | None:
     """The reward the config asks for (`rewards`, `reward_fn` or `reward_path`); None: the task's own."""
     specs: list[tuple[str, float, str | None]]

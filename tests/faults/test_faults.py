@@ -342,20 +342,71 @@ def test_bad_messages_are_dead_lettered_with_named_reasons(tmp_path: Path, tiny_
         assert any(named in x for x in reasons), f"no dead letter for {named}: {reasons}"
 
 
-def test_nan_reward_kills_only_its_tasks_and_the_run_goes_on(tmp_path: Path, tiny_model: Path, run_factory) -> None:
-    cfg = fault_config(tmp_path / "run", tiny_model,
-                       task={"reward_fn": "tests.faults.chaos_rewards:nan_for_index_8"})
-    run = run_factory(cfg)
-    run.finish()
-    RECOVERY.append(("NaN reward from the reward function", 0.0))
-    report = audit(cfg.run_dir, finished=True)
-    assert report.ok
+def _journal_tasks(cfg: RunConfig) -> list[Any]:
     from services.core.journal import Journal
 
     with Journal.open(cfg.journal_dir, readonly=True) as j:
-        dead = [t for t in j.iter_tasks() if t.state == "dead"]
-    assert dead and all(t.dataset_index // 4 == 2 for t in dead)
-    assert all("non_finite" in (t.reason or "") or "not finite" in (t.reason or "") for t in dead)
+        return list(j.iter_tasks())
+
+
+def test_a_reward_failing_on_some_rows_ends_only_their_tasks_and_the_evaluation_reports_the_rest(
+    tmp_path: Path, tiny_model: Path, run_factory
+) -> None:
+    """The reward raises on one prompt in ten (index ending in 3) and returns NaN for prompt 8: only
+    those rows' tasks end dead, each with its reason; the other rows of their messages train; and
+    every evaluation reports the rows it scored with the count it could not (3 of 20 held out).
+    max_staleness 1: a message split over two steps mostly trains whole (with 0 its leftover is
+    always surplus)."""
+    cfg = fault_config(tmp_path / "run", tiny_model, run={"eval_every": 4}, flow={"max_staleness": 1},
+                       task={"reward_fn": "tests.faults.chaos_rewards:bad_rows", "eval_size": 20})
+    run = run_factory(cfg)
+    run.finish()
+    RECOVERY.append(("reward raises on 1 row in 10, NaN on another", 0.0))
+    tasks = _journal_tasks(cfg)
+    dead = {t.task_id: t for t in tasks if t.state == "dead"}
+    bad = {t.task_id for t in tasks if t.dataset_index % 10 == 3 or t.dataset_index == 8}
+    assert bad and set(dead) == bad, f"dead {sorted(dead)}, expected exactly {sorted(bad)}"
+    for t in dead.values():
+        i = t.dataset_index
+        want = "non_finite_reward: reward 'bad_rows' returned a non-finite reward nan" if i == 8 else (
+            f"reward_error: reward 'bad_rows' raised ValueError: cannot score prompt {i} (on prompt {i})")
+        assert (t.reason or "").startswith(want), t.reason
+    # The other prompts of a bad row's message train; only where a step split their message and the
+    # leftover would be past flow.max_staleness is it dropped as surplus (the audit verified that).
+    mates = [t for t in tasks if t.task_id not in bad and any(d.dataset_index // 4 == t.dataset_index // 4
+                                                             for d in dead.values())]
+    assert mates and all(t.state == "trained" or (t.state == "dropped" and (t.reason or "").startswith("surplus:"))
+                         for t in mates), [(t.task_id, t.state, t.reason) for t in mates if t.state != "trained"]
+    assert sum(t.state == "trained" for t in mates) * 2 >= len(mates)
+    assert run.fleet.procs["reward"].restarts == 0
+    rows = {r["step"]: r for r in read_metrics(cfg.run_dir / "metrics.jsonl")}
+    for step, suffix in ((1, "_before"), (4, ""), (8, "")):
+        got = {k: rows[step].get(f"eval_{k}{suffix}") for k in ("unscored", "unscored_greedy", "reward")}
+        assert got["unscored"] == got["unscored_greedy"] == 3.0 and got["reward"] is not None, (step, got)
+
+
+def test_a_hanging_reward_times_out_with_its_reason_and_the_run_goes_on(
+    tmp_path: Path, tiny_model: Path, run_factory
+) -> None:
+    """The reward never returns for prompt 5: its batch's tasks end dead `reward_timeout` after
+    task.reward_timeout_s, the reward's process is replaced (not the service), the run completes,
+    and the evaluation (whose held-out prompt 5 hangs too) counts its rows unscored instead of
+    stalling the step."""
+    cfg = fault_config(tmp_path / "run", tiny_model, run={"max_steps": 4, "eval_every": 0},
+                       task={"reward_fn": "tests.faults.chaos_rewards:hangs_on_index_5", "eval_size": 8,
+                             "reward_timeout_s": 1.5})
+    run = run_factory(cfg)
+    run.finish()
+    dead = [t for t in _journal_tasks(cfg) if t.state == "dead"]
+    assert sorted({t.dataset_index for t in dead}) == [4, 5, 6, 7], "only the hung batch's tasks end dead"
+    assert all((t.reason or "").startswith("reward_timeout: the reward did not return within"
+                                           " task.reward_timeout_s (1.5s)") for t in dead), dead[0].reason
+    assert run.fleet.procs["reward"].restarts == 0
+    assert "reward process stopped; restarting it" in (cfg.run_dir / "logs" / "reward.log").read_text()
+    rows = {r["step"]: r for r in read_metrics(cfg.run_dir / "metrics.jsonl")}
+    for step, suffix in ((1, "_before"), (4, "")):
+        assert rows[step].get(f"eval_unscored{suffix}") == rows[step].get(f"eval_unscored_greedy{suffix}") == 8.0
+        assert f"eval_reward{suffix}" not in rows[step]
 
 
 def test_lmdb_map_full_grows_and_the_run_goes_on(tmp_path: Path, tiny_model: Path, run_factory) -> None:

@@ -95,7 +95,7 @@ class RolloutBatch(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., batch_id: _Optional[str] = ..., task_ids: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ..., prompt_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_mask: _Optional[_Union[Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., behaviour_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., group_ids: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., generate_seconds: _Optional[float] = ..., versions: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ScoreBatch(_message.Message):
-    __slots__ = ("schema_version", "batch_id", "stage", "task_ids", "version", "ref_logprobs", "rewards", "values", "score_seconds", "reward_components")
+    __slots__ = ("schema_version", "batch_id", "stage", "task_ids", "version", "ref_logprobs", "rewards", "values", "score_seconds", "reward_components", "unscored")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,13 @@ class ScoreBatch(_message.Message):
         key: str
         value: Tensor
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    class UnscoredEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +120,7 @@ class ScoreBatch(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     SCORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REWARD_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    UNSCORED_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     batch_id: str
     stage: str
@@ -123,7 +131,8 @@ class ScoreBatch(_message.Message):
     values: Tensor
     score_seconds: float
     reward_components: _containers.MessageMap[str, Tensor]
-    def __init__(self, schema_version: _Optional[int] = ..., batch_id: _Optional[str] = ..., stage: _Optional[str] = ..., task_ids: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ..., ref_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., score_seconds: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
+    unscored: _containers.ScalarMap[str, str]
+    def __init__(self, schema_version: _Optional[int] = ..., batch_id: _Optional[str] = ..., stage: _Optional[str] = ..., task_ids: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ..., ref_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., score_seconds: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, Tensor]] = ..., unscored: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TrainBatch(_message.Message):
     __slots__ = ("schema_version", "step", "batch_id", "target_version", "rollout", "advantages", "returns", "values", "ref_logprobs", "rewards")
