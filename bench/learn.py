@@ -7,7 +7,8 @@
     BENCH_DRY=1 python -m bench.learn run --runs trl:0,fleet:0 --out DIR   # CPU dry run (a tiny model, no vLLM)
 
 A run is `CONFIG:SEED`: `fleet` (rlfleet's configuration: max_staleness 1), `fleet-on-policy`
-(max_staleness 0) or `trl`; each writes DIR/<task>-<config>-s<seed>.json as soon as it ends, so a device
+(max_staleness 0), `fleet-sampled` (max_staleness 1 clipped against the weights that sampled each batch:
+algo.proximal "sampled") or `trl`; each writes DIR/<task>-<config>-s<seed>.json as soon as it ends, so a device
 call cut short keeps the runs it finished. Tasks (`TASKS`): basic_arithmetic (the untrained model: ~1%)
 and chain_sum (~8%). The seed is the run's sampling seed (rlfleet's run.seed, TRL's seed); the prompts
 and their order are the same for every seed and framework.
@@ -68,7 +69,7 @@ W: dict[str, Any] = {
     "prompts_per_step": 32, "group": 8, "max_new_tokens": 24, "temperature": 1.0, "lr": 1e-5,
     "clip_eps": 0.2, "micro_batch": 64, "eval_size": 200, "eval_every": 5, "seed": 0,
     "vllm_gpu_memory_utilization": 0.3, "max_model_len": 512, "budget_s": 360.0, "max_staleness": 1,
-    "task": "basic_arithmetic",
+    "task": "basic_arithmetic", "proximal": "current",
 }
 # Reasoning-gym generators and their parameters: the example's basic_arithmetic, and chain_sum at its own
 # defaults (2-6 terms of 1-4 digits; no partial credit), where the untrained model is above 0%.
@@ -76,7 +77,8 @@ TASKS: dict[str, dict[str, Any]] = {
     "basic_arithmetic": {"params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}},
     "chain_sum": {"params": {}},
 }
-CONFIGS = ("fleet", "fleet-on-policy", "trl")
+# rlfleet's configuration (max_staleness 1), on-policy, and with algo.proximal "sampled"; TRL.
+CONFIGS = ("fleet", "fleet-on-policy", "fleet-sampled", "trl")
 FLEET_VLLM: dict[str, Any] = {"kv_cache_gib": 4, "cudagraph_max_batch": 256}
 if DRY:
     W.update(prompts_per_step=4, group=2, max_new_tokens=4, micro_batch=4, eval_size=8, eval_every=2,
@@ -160,7 +162,7 @@ def run_config(model: Path, run_dir: Path) -> dict[str, Any]:
     n = W["prompts_per_step"] * W["group"]
     cfg["algo"] = {"name": "grpo", "group_size": W["group"], "kl_coef": 0.0, "clip_eps": W["clip_eps"],
                    "ppo_epochs": 1, "minibatch_size": n, "micro_batch_size": W["micro_batch"], "lr": W["lr"],
-                   "max_grad_norm": 1.0, "compile": False}
+                   "max_grad_norm": 1.0, "compile": False, "proximal": W["proximal"]}
     cfg["generation"] = {"engine": "transformers" if DRY else "vllm", "device": device,
                          "dtype": "float32" if DRY else "bfloat16", "process": not DRY,
                          "max_new_tokens": W["max_new_tokens"], "temperature": W["temperature"],
@@ -288,7 +290,8 @@ def phase_fleet(out: Path, budget_s: float) -> dict[str, Any]:
     cfg = run_config(model, run_dir)
     cfg_path = WORK / "fleet.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    log_path = out / f"{run_name('fleet' if W['max_staleness'] else 'fleet-on-policy', W['seed'])}.log"
+    config = "fleet-on-policy" if not W["max_staleness"] else "fleet-sampled" if W["proximal"] == "sampled" else "fleet"
+    log_path = out / f"{run_name(config, W['seed'])}.log"
     cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(cfg_path), "--ready-timeout", "600"]
     say("$", " ".join(cmd))
     res: dict[str, Any] = {"framework": "rlfleet", "config": cfg, "budget_s": budget_s, "ok": False,
@@ -431,6 +434,9 @@ def phase_trl(out: Path, budget_s: float, launch: float) -> dict[str, Any]:
             if time.time() - launch - spent[0] >= budget_s:
                 control.should_training_stop = True
 
+    if use_vllm:
+        _seed_trl_vllm(W["seed"])
+    res["vllm_seed"] = W["seed"] if use_vllm else None
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gc, train_dataset=dataset,
                           processing_class=tok, callbacks=[Clock()])
     holder["trainer"] = trainer
@@ -449,6 +455,21 @@ def phase_trl(out: Path, budget_s: float, launch: float) -> dict[str, Any]:
         if gaps:
             res["median"] = {"step_s": statistics.median(gaps), "samples_per_s": n / statistics.median(gaps)}
     return res
+
+
+def _seed_trl_vllm(seed: int) -> None:
+    """TRL 1.16 seeds its colocated vLLM engine with the process index (0), whatever `args.seed` says, so
+    its runs of every seed sample the same completions; give the engine the run's seed instead, as
+    rlfleet's engine draws its samples from `run.seed`."""
+    import trl.generation.vllm_generation as tvg
+
+    engine = tvg.LLM
+
+    def seeded(*args: Any, **kwargs: Any) -> Any:
+        kwargs["seed"] = seed
+        return engine(*args, **kwargs)
+
+    tvg.LLM = seeded  # type: ignore[misc,assignment]
 
 
 def _hf_greedy(model: Any, tok: Any, ids: list[list[int]]) -> list[list[int]]:
@@ -497,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=590.0,
                     help="run: start no run that would end later than this many seconds from now")
     args = ap.parse_args(argv)
-    W.update(task=args.task, seed=args.seed, max_staleness=0 if args.phase == "fleet-on-policy" else 1)
+    W.update(task=args.task, seed=args.seed, max_staleness=0 if args.phase == "fleet-on-policy" else 1,
+             proximal="sampled" if args.phase == "fleet-sampled" else "current")
     if args.budget_s <= 0 or not math.isfinite(args.budget_s):
         ap.error("--budget-s must be a positive number of seconds")
     try:

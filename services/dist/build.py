@@ -34,7 +34,7 @@ def build_trainer(cfg: RunConfig, service: ServiceName, model: nn.Module) -> Tra
         return PolicyTrainer(model, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,
                              gradient_checkpointing=cfg.models.policy.gradient_checkpointing,
                              behaviour_logprobs=cfg.generation.behaviour_logprobs,
-                             ranks=world_size(cfg, service))
+                             ranks=world_size(cfg, service), max_staleness=cfg.flow.max_staleness)
     spec = cfg.models.critic or cfg.models.policy
     assert isinstance(model, ValueModel)
     return ValueTrainer(model, cfg.algo, seed=cfg.run.seed, gradient_checkpointing=spec.gradient_checkpointing)

@@ -3,8 +3,9 @@ critic services and the local loop all train through these two classes."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -80,7 +81,10 @@ class PolicyTrainer:
 
     def __init__(self, model: nn.Module, algo: AlgoSection, temperature: float, seed: int = 0,
                  gradient_checkpointing: bool = False, behaviour_logprobs: BehaviourLogprobs = "engine",
-                 ranks: int = 1) -> None:
+                 ranks: int = 1, max_staleness: int = 1) -> None:
+        if algo.proximal == "sampled" and ranks > 1:
+            raise ValueError("algo.proximal 'sampled' keeps whole copies of the weights: one trainer rank only"
+                             f" (this one has {ranks}); use 'current'")
         self.model = model
         self.algo = algo
         self.temperature = temperature
@@ -96,6 +100,8 @@ class PolicyTrainer:
         if self.compile_backend is not None:
             compile_decoder(model, self.compile_backend)
         self.opt = adamw(model, algo.lr, algo.fused_optimizer)
+        # algo.proximal "sampled": the trainable weights of the last versions, by version, on their device.
+        self.sampled = WeightVersions(model, max(1, max_staleness)) if algo.proximal == "sampled" else None
 
     def warm_up(self, vocab: int, proximal: bool = False, step_rows: int = 0, response_tokens: int = 0) -> bool:
         """Compile what a step runs (`services.rl.warmup`) before the first step; False, doing nothing,
@@ -150,6 +156,15 @@ class PolicyTrainer:
             return out[0], out[1]
         return out, None
 
+    def _score(self, r: Rollout) -> torch.Tensor:
+        """The policy's log-probs of a rollout's tokens at the weights it holds now, no grad, `[B, R]` on the CPU."""
+        algo = self.algo
+        with torch.no_grad():
+            return score_rows(r, self.device, lambda p: self._logprobs(p, False)[0],
+                              lambda p, bins: self._logprobs(p, False, bins)[0],
+                              size=algo.micro_batch_size or algo.minibatch_size, tokens=algo.micro_batch_tokens,
+                              pack=algo.pack_sequences)
+
     def weights_move_within(self, rows: int) -> bool:
         """Whether a batch of `rows` takes more than one optimizer step. With one (one epoch, one
         minibatch) every micro-batch's forward runs at the proximal weights, so its own log-probs,
@@ -180,14 +195,26 @@ class PolicyTrainer:
         behaviour = r.behaviour_logprobs if weighted else None
         # `old`: the behaviour's log-probs, the proximal ones scored up front, or None: each forward's own.
         old: torch.Tensor | None = None if proximal else r.behaviour_logprobs
+        sampled_rows = fallback_rows = 0
         if proximal_forward:
-            with torch.no_grad():
-                old = score_rows(
-                    r, self.device, lambda p: self._logprobs(p, False)[0],
-                    lambda p, bins: self._logprobs(p, False, bins)[0],
-                    size=algo.micro_batch_size or algo.minibatch_size, tokens=algo.micro_batch_tokens,
-                    pack=algo.pack_sequences,
-                )
+            old = self._score(r)
+        if proximal and self.sampled is not None and off_policy:
+            # Each version's rows scored at the weights that sampled them; where those are not kept (after
+            # a restart) the current weights stand in. A proximal pass above already scored every row.
+            fresh = old is None
+            old = torch.zeros(r.response_ids.shape) if old is None else old
+            for v in sorted(set(versions.tolist())):
+                rows = (versions == v).nonzero()[:, 0]
+                kept = v < current_version and self.sampled.has(v)
+                fallback_rows += int(v < current_version and not kept) * len(rows)
+                if kept:
+                    with self.sampled.swapped_in(v):
+                        old[rows] = self._score(r.select(rows))
+                    sampled_rows += len(rows)
+                elif fresh:
+                    old[rows] = self._score(r.select(rows))
+        if self.sampled is not None:  # the weights the engine samples the next batches with, before they move
+            self.sampled.keep(current_version)
 
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         acc: dict[str, list[float]] = defaultdict(list)
@@ -234,9 +261,44 @@ class PolicyTrainer:
         out = _mean(acc)
         out["off_policy"] = float(off_policy)
         out["proximal_forward"] = float(proximal_forward)
+        if self.sampled is not None:
+            out["proximal_sampled_rows"], out["proximal_fallback_rows"] = float(sampled_rows), float(fallback_rows)
         if compiles is not None:
             out["compiles"] = float(compiles.since("actor"))
         return out
+
+
+class WeightVersions:
+    """Copies of a model's trainable weights at the last `keep` versions, swapped in to score a batch at
+    the weights that sampled it (algo.proximal "sampled"). Only trainable tensors are copied: frozen
+    ones (a LoRA run's base) never change between versions."""
+
+    def __init__(self, model: nn.Module, keep: int) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.limit = keep
+        self.versions: dict[int, list[torch.Tensor]] = {}
+
+    def keep(self, version: int) -> None:
+        """Copy the weights as they are now as `version`, dropping the oldest past the limit."""
+        if version not in self.versions:
+            self.versions[version] = [p.detach().clone() for p in self.params]
+        for v in sorted(self.versions)[:-self.limit]:
+            del self.versions[v]
+
+    def has(self, version: int) -> bool:
+        return version in self.versions
+
+    @contextlib.contextmanager
+    def swapped_in(self, version: int) -> Iterator[None]:
+        """The model holds `version`'s weights inside the block (no copy: the tensors trade places)."""
+        saved = [p.data for p in self.params]
+        try:
+            for p, w in zip(self.params, self.versions[version], strict=True):
+                p.data = w
+            yield
+        finally:
+            for p, d in zip(self.params, saved, strict=True):
+                p.data = d
 
 
 class DeviceSums:

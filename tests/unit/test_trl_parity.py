@@ -133,8 +133,10 @@ class _SGD:
         _sgd(self.model)
 
 
-def _rlfleet_grads(loss_type: str, mode: str | None, epochs: int) -> tuple[list[torch.Tensor], torch.Tensor,
-                                                                          dict[str, float]]:
+def _rlfleet_grads(loss_type: str, mode: str | None, epochs: int, stale: bool = False,
+                   ) -> tuple[list[torch.Tensor], torch.Tensor, dict[str, float]]:
+    """rlfleet's gradient of its last optimizer step: of `epochs` epochs over the batch, or (`stale`) of a
+    second train_step on the same batch one version later, with algo.proximal "sampled"."""
     tok, prompts, completions, logps = _batch()
     p_width = max(len(p) for p in prompts)
     prompt_ids = torch.full((ROWS, p_width), tok.pad_token_id)
@@ -154,12 +156,16 @@ def _rlfleet_grads(loss_type: str, mode: str | None, epochs: int) -> tuple[list[
     _, fields = LOSSES[loss_type]
     algo = AlgoSection(**fields, group_size=G, kl_coef=0.0, clip_eps=0.2, ppo_epochs=epochs, minibatch_size=ROWS,
                        micro_batch_size=MICRO, lr=1e-5, max_grad_norm=1e9, compile=False,
-                       behaviour_correction=mode or "none", behaviour_weight_cap=3.0)
+                       behaviour_correction=mode or "none", behaviour_weight_cap=3.0,
+                       proximal="sampled" if stale else "current")
     compute_advantages(r, algo, max_new_tokens=MAX_NEW)
     trainer = PolicyTrainer(tiny_qwen(), algo, temperature=TEMPERATURE)
     opt = _SGD(trainer.model)
     trainer.opt = opt  # type: ignore[assignment]
     stats = trainer.train_step(r, step=0, current_version=0)
+    if stale:  # the batch sampled at version 0 arrives again at version 1
+        stats = trainer.train_step(r, step=1, current_version=1)
+        assert stats["proximal_sampled_rows"] == ROWS and stats["proximal_fallback_rows"] == 0
     assert r.advantages is not None
     return opt.grads[-1], r.advantages[:, 0], stats
 
@@ -202,6 +208,20 @@ def test_after_an_update_the_batch_is_clipped_against_the_policy_that_sampled_it
     # The same batch at one epoch is another gradient: the comparison can tell the two apart.
     first, _, _ = _rlfleet_grads(loss_type, mode, 1)
     assert _cosine_and_ratio(first, theirs)[0] < 0.9999
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "token_truncate"])
+def test_a_stale_batch_clipped_against_the_weights_that_sampled_it_is_trls_second_pass(
+    mode: str, tmp_path: Path
+) -> None:
+    """algo.proximal "sampled": a batch one version old is clipped against the trainer's log-probs at the
+    version that sampled it (kept by the trainer), weighted by the engine correction alone: TRL's
+    objective on its second iteration over a generation batch."""
+    theirs, _ = _trl_grads("dapo", mode, 2, tmp_path)
+    ours, _, stats = _rlfleet_grads("dapo", mode, 1, stale=True)
+    assert stats["clip_frac"] > 0 and stats["off_policy"] == 1.0
+    cos, ratio = _cosine_and_ratio(ours, theirs)
+    assert cos >= 0.9999 and abs(ratio - 1) <= 1e-3, (cos, ratio)
 
 
 def test_each_correction_is_a_gradient_of_its_own() -> None:
