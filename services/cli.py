@@ -435,6 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         h.setLevel(logging.WARNING)  # `up` also logs INFO, to RUN_DIR/logs/launcher.log only
     try:
         from services.core.config import ConfigError  # inside: a Ctrl-C during this import is one line too
+        from services.core.entry import compile_caches
+
+        compile_caches()  # `train --local` compiles in this process; `up`'s services inherit it
 
         try:
             return int(args.fn(args))
