@@ -156,10 +156,6 @@ class AlgoSection(_Strict):
             raise ValueError("micro_batch_size and micro_batch_tokens exclude each other: set one, the other 0")
         if self.pack_sequences and not self.micro_batch_tokens:
             raise ValueError("pack_sequences needs micro_batch_tokens > 0 (the token budget of a packed micro-batch)")
-        if (self.behaviour_weight_cap is not None and self.behaviour_weight_floor is not None
-                and self.behaviour_weight_floor >= self.behaviour_weight_cap):
-            raise ValueError(f"behaviour_weight_floor ({self.behaviour_weight_floor}) must be below"
-                             f" behaviour_weight_cap ({self.behaviour_weight_cap})")
         if (self.behaviour_correction.endswith("truncate") and self.behaviour_weight_cap is None
                 and self.behaviour_weight_floor is None):
             raise ValueError(f"behaviour_correction {self.behaviour_correction} needs behaviour_weight_cap or"

@@ -127,3 +127,25 @@ def test_the_trainer_is_built_beside_the_engine_only_where_nothing_profiles_free
     assert "kv_cache_memory_bytes" not in gen(**vllm).engine_kwargs()
     with pytest.raises(ConfigError, match="kv_cache_gib"):
         gen(**vllm, vllm={"kv_cache_gib": 0})
+
+
+def test_the_engine_correction_is_named_and_its_bounds_checked() -> None:
+    algo = parse_config({}).algo
+    assert (algo.behaviour_correction, algo.behaviour_weight_cap, algo.behaviour_weight_floor) == ("sequence_mask", 3.0,
+                                                                                                   None)
+    assert algo.decoupled and algo.proximal == "current" and algo.advantage_eps == 1e-4
+    with pytest.raises(ConfigError) as e:
+        parse_config({"algo": {"behaviour_correction": "tis"}})
+    assert "algo.behaviour_correction" in str(e.value) and "'token_truncate'" in str(e.value)
+    # The floor lies below 1 and the cap above it, so a floor can never pass the cap.
+    with pytest.raises(ConfigError, match=r"algo\.behaviour_weight_floor"):
+        parse_config({"algo": {"behaviour_weight_floor": 1.0}})
+    with pytest.raises(ConfigError, match=r"algo\.behaviour_weight_cap"):
+        parse_config({"algo": {"behaviour_weight_cap": 1.0}})
+    with pytest.raises(ConfigError, match="a truncation without bounds is no correction"):
+        parse_config({"algo": {"behaviour_correction": "token_truncate", "behaviour_weight_cap": None}})
+    with pytest.raises(ConfigError, match=r"algo\.behaviour_weight_floor"):
+        parse_config({"algo": {"behaviour_weight_floor": -0.1}})
+    with pytest.raises(ConfigError, match=r"algo\.proximal"):
+        parse_config({"algo": {"proximal": "oldest"}})
+    assert parse_config({"algo": {"behaviour_correction": "none", "behaviour_weight_cap": None}}).algo.decoupled
