@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from services.core.config import AlgoSection
 from services.rl.batch import Rollout
 from services.rl.micro import MicroBatch
-from services.rl.trainer import SplitFn, micro_plan
+from services.rl.trainer import SplitFn, is_max, micro_plan
 
 
 def rank_split(rank: int, world: int) -> SplitFn:
@@ -74,9 +74,15 @@ def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
 def reduce_stats(stats: dict[str, float], world: int) -> dict[str, float]:
     """The global step's statistics: the mean over the ranks, since each rank's are its share
     times `world` (the trainer weights them by the piece weights) or, like grad_norm, the same on
-    every rank. A collective: every rank calls it with the same keys, which the same op on the
-    same batch guarantees."""
-    keys = sorted(stats)
-    t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return {k: float(v) / world for k, v in zip(keys, t.tolist(), strict=True)}
+    every rank; a maximum (`*_max`) is the largest rank's. Collectives: every rank calls it with the
+    same keys, which the same op on the same batch guarantees."""
+    out: dict[str, float] = {}
+    for op, keys in ((dist.ReduceOp.SUM, sorted(k for k in stats if not is_max(k))),
+                     (dist.ReduceOp.MAX, sorted(k for k in stats if is_max(k)))):
+        if not keys:
+            continue
+        t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, op=op)
+        scale = world if op == dist.ReduceOp.SUM else 1
+        out.update({k: float(v) / scale for k, v in zip(keys, t.tolist(), strict=True)})
+    return out
