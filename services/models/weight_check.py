@@ -22,15 +22,23 @@ staged for gloo, so a staging fault shows). The cost: one reduction pass per ten
 each side (in chunks of `CHUNK` words, so the largest temporary is 8 * CHUNK bytes), and one host
 transfer of two integers per tensor at the end; no host copy of the model.
 
-Why two replicas disagreed after a broadcast sync on one H200 (issue 34): `Sender.send` built each
-gloo bucket with `torch.cat([t.to("cpu", non_blocking=True) ...])`. A non-blocking copy from CUDA to
-the CPU lands in pinned memory that torch hands back before the copy has run; `cat` then read it on
-the CPU at once. What it read was whatever the pinned block held (the caching host allocator recycles
-the blocks of the previous sync: mostly the previous version's values of the same tensor, so nearly
-right, hence log-probs within 0.1 nats of the trainer), and which tensors were caught early depends on
-timing, so each replica (each has its own sender) got a different mix. Version 1 came out equal
-because its blocks were fresh. The fix stages each bucket into one host buffer and waits for the
-copies before the broadcast (`weight_transfer.stage`).
+Why two replicas disagreed after a broadcast sync on one H200 (issue 34; read from the code, to be
+confirmed by these checksums on the GPU): `Sender.send` built each gloo bucket with
+`torch.cat([t.to("cpu", non_blocking=True) ...])`. A non-blocking copy from CUDA to the host goes into
+pinned memory that torch hands back before the copy has run, and `cat` read it on the CPU at once. It
+read whatever the pinned block held: the caching host allocator recycles the blocks of the previous
+sync by size, so mostly the previous version's values of the same tensor (nearly right: log-probs
+within 0.1 nats of the trainer), and which copies were still in flight depends on timing, so each
+replica (each has its own sender) got a different mix. Version 1 came out right because its blocks
+were new, and cudaHostAlloc synchronizes the device, so few copies were in flight when `cat` read
+them; from version 2 the blocks came from the cache, without a sync. IPC never stages on the host, so
+it passed. Ruled out, from the code: a bucket reused before its broadcast finished (each bucket is a
+new tensor and `wait()` returns after gloo has sent it), one replica receiving while another casts
+(the replicas are synced one after the other, each through its own group), the receiver's copy to
+its GPU (from pageable memory, which CUDA stages before the call returns), and a cast done
+differently per replica (the cast happens once, on the trainer's side, in `plan`). The fix stages
+each bucket into one host buffer and waits for the copies before the broadcast
+(`weight_transfer.stage`).
 """
 
 from __future__ import annotations
@@ -90,10 +98,9 @@ def _sums_on_device(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sums_of(tensors: Sequence[torch.Tensor]) -> list[Sums]:
-    """The checksum of each tensor, with one host transfer per device for all of them."""
-    if not tensors:
-        return []
+def sums_of(tensors: Iterable[torch.Tensor]) -> list[Sums]:
+    """The checksum of each tensor, with one host transfer per device for all of them. Lazily: a
+    generator of cast copies holds one copy at a time, not a second model."""
     rows = [_sums_on_device(t) for t in tensors]
     by_device: dict[torch.device, list[int]] = {}
     for i, r in enumerate(rows):
@@ -133,7 +140,7 @@ class Verdict:
 def verify(held: Sequence[Held], sent: Mapping[str, torch.Tensor], version: int, who: str = "the engine") -> Verdict:
     """Compare what the engine holds with the trainer's `sent` tensors; raise `WeightsMismatch` at the
     first parameter whose sums differ (naming it, `who` holds it, and both values)."""
-    refs: list[torch.Tensor] = []
+    refs: list[tuple[str, str]] = []  # (name sent, dtype held): cast one at a time in `sums_of`
     plan: list[tuple[Held, list[int]]] = []
     unsent: list[str] = []
     covered: set[str] = set()
@@ -145,12 +152,12 @@ def verify(held: Sequence[Held], sent: Mapping[str, torch.Tensor], version: int,
                 break
             covered.update(part)
             idx.append(len(refs))
-            refs.append(_cast(sent[name], h.dtype))
+            refs.append((name, h.dtype))
         if len(idx) < len(h.parts):
             unsent.append(h.name)
             continue
         plan.append((h, idx))
-    sums = sums_of(refs)
+    sums = sums_of(_cast(sent[n], dtype) for n, dtype in refs)
     for h, idx in plan:
         ref = (sum(sums[i][0] for i in idx), sum(sums[i][1] for i in idx))
         if ref != h.sums:
