@@ -20,10 +20,16 @@ turns peaked) it records, per replica:
   `response_logprobs` on the same tokens, bf16 and fp32 forwards), so "both score like the trainer";
 - greedy completions of the same prompts on both replicas (the prompt set twice, one copy per
   replica): equal when both hold the same weights;
-- the GPU memory its process holds (NVML) against the GPU's total, so "they share it, split".
+- the GPU memory its process holds (NVML) against the GPU's total, so "they share it, split";
+- whether every parameter it holds has the trainer's checksum (`services.models.weight_check`: exact
+  integer sums of the bytes in the engine's dtype, vLLM's fused q/k/v and gate/up as their parts), so
+  "both hold exactly the trainer's weights" is checked directly, not through greedy text (issue 34).
+  A mismatch fails the sync (the replica is stopped): the round records the replica, the parameter
+  and both checksums, and the check ends there.
 
 Writes DIR/replica-check.json; exit 1 when a check fails (thresholds as in bench/vllm_check.py:
-log-prob max diff <= 0.1 bf16, equal versions, equal greedy completions, each replica under its share).
+log-prob max diff <= 0.1 bf16, equal versions, equal greedy completions, equal checksums on every
+replica with none unpaired, each replica under its share).
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.models.loading import load_causal_lm
     from services.models.logprobs import response_logprobs
     from services.models.replicas import ReplicaEngine, spread
+    from services.models.weight_check import WeightsMismatch
 
     device = "cpu" if DRY else "cuda"
     dtype = "float32" if DRY else "bfloat16"
@@ -122,8 +129,17 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
             opt.zero_grad()
         t = time.perf_counter()
-        engine.update_weights(policy.state_dict().items(), version)  # the actor's weight sync call
+        try:
+            engine.update_weights(policy.state_dict().items(), version)  # the actor's weight sync call
+        except WeightsMismatch as err:  # a replica holds weights the trainer did not send: stopped
+            sums = _checksums(engine, version, err)
+            rounds.append({"version": version, "sync_s": round(time.perf_counter() - t, 3), "checksums": sums,
+                           "error": str(err), "checks": {"checksums_equal": False}})
+            say(f"version {version}: {err}")
+            ok = False
+            break
         sync_s = time.perf_counter() - t
+        sums = _checksums(engine, version, None)
         versions = [int(r["version"]) for r in engine.replica_stats()]
         comps = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=version))
         greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
@@ -141,10 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = replica_rows(engine, gpu)
         mem = [{"replica": x["replica"], "gpus": x.get("gpus", [])} for x in rows]
         checks = {"versions": versions == [version, version], "greedy_equal_across_replicas": same_greedy,
+                  "checksums_equal": all(x["equal"] for x in sums),
                   "logprobs": all(d["max"] <= MAX_LOGPROB_DIFF for p in per for d in p["logprob_diff"].values())}
         ok = ok and all(checks.values())
-        rounds.append({"version": version, "sync_s": round(sync_s, 3), "replicas": per, "memory": mem,
-                       "checks": checks})
+        rounds.append({"version": version, "sync_s": round(sync_s, 3), "checksums": sums, "replicas": per,
+                       "memory": mem, "checks": checks})
         say(f"version {version}: sync {sync_s:.2f}s, checks {checks}")
     total = torch.cuda.get_device_properties(0).total_memory if not DRY and torch.cuda.is_available() else None
     result = {"ok": ok, "dry": DRY, "replicas": 2, "weight_transfer": a.transfer, "gpu_memory_utilization": UTIL,
@@ -155,6 +172,26 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2, default=str))
     say("ok" if ok else "FAILED", "->", out)
     return 0 if ok else 1
+
+
+def _checksums(engine: Any, version: int, err: Any) -> list[dict[str, Any]]:
+    """Per replica, whether every parameter it holds after this sync has the trainer's checksum
+    (`weight_check`: exact sums of the bytes in the engine's dtype, fused parameters as their parts):
+    equal only when each tensor was compared (`checked`) and none was left unpaired either way."""
+    out: list[dict[str, Any]] = []
+    for r, e in enumerate(engine.engines):
+        sync = dict(getattr(e, "last_sync", {}) or {})
+        if err is not None and f"replica {r}:" in str(err):
+            out.append({"replica": r, "equal": False, "parameter": err.parameter, "engine": list(err.held or ()),
+                        "trainer": list(err.sent or ())})
+        elif e.version != version:
+            out.append({"replica": r, "equal": False, "synced": False})  # stopped before its turn
+        else:
+            checked, unpaired = int(sync.get("checksums_checked", 0)), int(sync.get("checksums_unpaired", -1))
+            out.append({"replica": r, "equal": checked > 0 and unpaired == 0, "checked": checked,
+                        "unpaired": unpaired, "seconds": round(float(sync.get("checksum_seconds", 0.0)), 4),
+                        "sync_seconds": round(float(sync.get("seconds", 0.0)), 4)})
+    return out
 
 
 def _logprob_diff(model: Any, prompts: list[list[int]], comps: list[Any], device: str, fn: Any) -> dict[str, float]:

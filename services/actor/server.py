@@ -450,6 +450,8 @@ class Actor:
             return  # on_drain closed the engine and stopped the ranks: nothing died
         if self.ranks is not None and not self.ranks.alive:
             raise RankError(self.ranks.why_dead())
+        if why := getattr(self.engine, "stopped_for", None):  # not dead: stopped, holding weights nobody sent
+            raise EngineError(f"the generation engine stopped serving: {why}; the actor stops so that it is restarted")
         which = ""
         if isinstance(self.engine, ReplicaEngine):
             dead = self.engine.dead_replicas()

@@ -6,6 +6,10 @@ that reaches `point` while working on training step `step` pause there: it write
 other loop of the service keeps running into the gap) until a test creates
 `RUN_DIR/faults/<point>@<step>.release`. The test does its damage in between. A point is hit once
 per process; a replacement that gets the same environment passes it (the marker is there).
+
+A fault that damages rather than pauses lives where the damage is done: `RLFLEET_FAULT_WEIGHTS`
+(`services.models.weight_check.corrupt`) makes an engine process load one tensor of a weight sync
+one ulp off, so that tests see the sync's checksum check stop it.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ from services.models.engine import (
     WeightSyncError,
 )
 from services.models.gate import CallGate
+from services.models.weight_check import WeightsMismatch, verdict_numbers, verify
 from services.models.weight_transfer import Sender, backend_for
 
 if TYPE_CHECKING:
@@ -122,6 +123,8 @@ class ProcessEngine:
         self._eos = tuple(int(t) for t in msg["eos"])
         self._describe = dict(msg["describe"], process=self._proc.pid, weight_transfer=transfer)
         self.last_sync: dict[str, float] = {}
+        self._label, self._warned_unpaired = label, False
+        self.stopped_for: str | None = None  # set when a sync failed its checksums (the process did not die)
         log.info("engine process started", extra={"engine": name, "pid": self._proc.pid, "early": started is not None,
                                                    "seconds": round(time.monotonic() - t0, 1)})
 
@@ -201,22 +204,55 @@ class ProcessEngine:
         return out
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Sync the weights, then check the child's checksums of what it holds against what was sent
+        (`weight_check`): a mismatch kills the child and raises `WeightsMismatch`, the version unmoved."""
+        t0 = time.perf_counter()
         if self._sender is not None:
             sender = self._sender
             buckets, tensors = sender.plan(named_tensors)
-            t0, sent = time.perf_counter(), 0
+            sent = 0
 
             def broadcast() -> None:
                 nonlocal sent
                 sent = sender.send(tensors)
 
-            self._version = int(self._call("receive_weights", buckets, version, during=broadcast))
+            answer = self._call("receive_weights", buckets, version, during=broadcast)
+            # The reference is the planned tensors (cast, on the trainer's device), not the host copies
+            # the sender staged: a fault in staging must show as a mismatch.
+            planned = {n: t for b, ts in zip(buckets, tensors, strict=True) for n, t in zip(b.names, ts, strict=True)}
+            checked = self._accept(answer, planned, version)
             self.last_sync = {"bytes": float(sent), "buckets": float(len(buckets)),
-                              "seconds": time.perf_counter() - t0}
+                              "seconds": time.perf_counter() - t0, **checked}
             return
         # Detached views: the child must not see autograd state, and CUDA IPC shares storage only.
         named = [(n, t.detach()) for n, t in named_tensors]
-        self._version = int(self._call("update_weights", named, version))
+        checked = self._accept(self._call("update_weights", named, version), dict(named), version)
+        self.last_sync = {"seconds": time.perf_counter() - t0, **checked}
+
+    def _accept(self, answer: Any, sent: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Move to the child's version once its checksums match `sent`; on a mismatch the child is
+        killed (it holds weights nobody sent: it must not generate again) and the error raised."""
+        new_version, held = answer
+        if held is None:  # an engine that cannot report its sums
+            self._version = int(new_version)
+            return {}
+        t0 = time.perf_counter()
+        try:
+            verdict = verify(held, sent, version, who=f"engine{self._label}")
+        except WeightsMismatch as err:
+            self._proc.kill()
+            self._proc.join(5)
+            self._dead = self.stopped_for = str(err)
+            log.error("weight sync failed its checksum check; the engine process is stopped",
+                      extra={"version": version, "parameter": err.parameter, "engine": self._label or "engine"})
+            raise
+        if (verdict.unsent or verdict.unheld) and not self._warned_unpaired:
+            self._warned_unpaired = True  # a layout this check does not map: said once, not every sync
+            log.warning("weight checksums: some tensors could not be paired with the engine's parameters",
+                        extra={"engine_only": len(verdict.unsent), "trainer_only": len(verdict.unheld),
+                               "first": (verdict.unsent + verdict.unheld)[0]})
+        self._version = int(new_version)
+        return verdict_numbers(verdict, time.perf_counter() - t0)
 
     def pause(self) -> None:
         self._gate.pause()

@@ -17,6 +17,7 @@ import torch
 
 from services.models.backends import build_engine
 from services.models.engine import Completion, EngineError, GenerationEngine, StreamingWeights, WeightsTorn
+from services.models.weight_check import corrupt, held_by
 from services.models.weight_transfer import Bucket, Link, Receiver
 
 
@@ -91,16 +92,16 @@ def serve(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str
                 if receiver is None:
                     raise EngineError("this engine process was started without a weight-transfer link")
                 receive_weights(engine, receiver, *args)
-                out = engine.version
+                out = (engine.version, held_by(engine))  # the parent checks the sums before it trusts them
             elif op == "update_weights":
                 named, version = args
-                engine.update_weights(named, version)
+                engine.update_weights(list(corrupt(named, version)), version)
                 if torch.cuda.is_initialized():
                     # Copies out of the parent's tensors may still be queued: the parent trains on
                     # those tensors again as soon as this call returns.
                     torch.cuda.synchronize()
                 del named, args  # release shared tensors (CUDA IPC) before the parent reuses them
-                out = engine.version
+                out = (engine.version, held_by(engine))
             elif op == "describe":
                 out = describe(engine)
             else:
@@ -118,12 +119,13 @@ def serve(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str
 
 def receive_weights(engine: GenerationEngine, receiver: Receiver, buckets: list[Bucket], version: int) -> None:
     stream = receiver.stream(buckets)
+    got = (list(corrupt(b, version)) for b in stream)
     try:
         if isinstance(engine, StreamingWeights):
             shapes = {n: s for b in buckets for n, s in zip(b.names, b.shapes, strict=True)}
-            engine.update_weights_stream(shapes, stream, version)
+            engine.update_weights_stream(shapes, got, version)
         else:
-            engine.update_weights([x for bucket in stream for x in bucket], version)
+            engine.update_weights([x for bucket in got for x in bucket], version)
     finally:
         receiver.drain(stream)  # a refused sync still takes every broadcast, so both sides stay in step
 

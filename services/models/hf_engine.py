@@ -29,6 +29,7 @@ from services.models.engine import (
 from services.models.gate import CallGate
 from services.models.loading import load_causal_lm, load_tokenizer
 from services.models.logprobs import accepts_kwarg, position_ids_from_mask
+from services.models.weight_check import Held, held_by_state
 from services.models.weights import (
     alias_expand,
     check_version,
@@ -297,6 +298,13 @@ class TransformersEngine:
             stream_complete(done, groups, version)
             self._version = version
             log.info("engine weights updated to version %d (%d tensors, streamed)", version, len(shapes))
+
+
+    def weight_checksums(self) -> list[Held]:
+        """What the model holds, for the checksum check of a sync (`weight_check`): its parameters
+        carry the trainer's names, so each alias group is one entry."""
+        state, groups = _targets(self._model)
+        return held_by_state(state, groups)
 
 
 def _targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]]:

@@ -39,6 +39,7 @@ import torch
 
 from services.models.engine import Completion, EngineError, GenerationEngine, SamplingParams
 from services.models.gate import CallGate
+from services.models.weight_check import WeightsMismatch
 from services.models.weights import check_version
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class ReplicaEngine:
         self._gate = CallGate()
         self._pool = ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="engine-replica")
         self._broken: str | None = None
+        self.stopped_for: str | None = None  # a sync that failed its checksums stopped a replica
         self._counters = [_Counters() for _ in engines]
 
     # -- state ---------------------------------------------------------------------------------------
@@ -247,6 +249,14 @@ class ReplicaEngine:
             for r, e in enumerate(self._engines):
                 try:
                     e.update_weights(named, version)
+                except WeightsMismatch as err:
+                    # That replica holds weights nobody sent and is stopped: the set serves no more,
+                    # whether or not another replica took the version already.
+                    self._broken = self.stopped_for = f"replica {r}: {err}"
+                    log.error("replica weight sync failed its checksum check",
+                              extra={"version": version, "replica": r, "parameter": err.parameter})
+                    raise WeightsMismatch(self._broken, version=version, parameter=err.parameter, held=err.held,
+                                          sent=err.sent) from err
                 except Exception as err:
                     if done:
                         self._broken = (f"weight sync to version {version} reached replicas {done} but failed on"

@@ -5,7 +5,8 @@
   top-k/top-p, one bucket of a weight sync, and the model's device and dtype.
 - Our `SamplingParams` in vLLM's terms (`sampling_kwargs`).
 - Reading vLLM's outputs into ours: per-token log-probs (flat or dict layout) and finish reasons.
-- Start-up options in vLLM's terms: CUDA-graph capture sizes and the compile cache.
+- Start-up options in vLLM's terms: CUDA-graph capture sizes, the compile cache, our environment knobs.
+- The checksums of a weight sync (`weight_check`): vLLM's parameters, fused ones mapped to their parts.
 
 Nothing here imports vllm at module level: the backend stays importable without it.
 """
@@ -13,13 +14,15 @@ Nothing here imports vllm at module level: the backend stays importable without 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from services.models.engine import EngineError, FinishReason, SamplingParams
+from services.models.weight_check import Held, sums_of, unfuse
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 
@@ -85,6 +88,26 @@ def load_bucket(w: Any, bucket: list[tuple[str, torch.Tensor]]) -> int:
     return len(loaded) if loaded is not None else len(bucket)
 
 
+def held_checksums(w: Any) -> tuple[list[tuple[str, str, int, int]], dict[str, list[str]]]:
+    """Worker side of `VLLMEngine.weight_checksums`: the sums (`weight_check`) of every parameter
+    vLLM's model holds, under vLLM's names, and the model's map of fused modules to their parts."""
+    model = _worker(w).get_model()
+    named = list(model.named_parameters())  # a tied LM head is the embedding's parameter: listed once
+    sums = sums_of([p for _, p in named])
+    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    rows = [(n, str(p.dtype).removeprefix("torch."), s1, s2) for (n, p), (s1, s2) in zip(named, sums, strict=True)]
+    return rows, {str(k): [str(x) for x in v] for k, v in packed.items()}
+
+
+def held_in_trainer_names(rows: list[tuple[str, str, int, int]], packed: dict[str, list[str]],
+                          groups: Iterable[Sequence[str]]) -> list[Held]:
+    """vLLM's parameters as made of the trainer's tensors: a fused one (qkv_proj) of its parts in
+    order, each part under every name of its alias group (a tied embedding is the LM head too)."""
+    alias = {n: tuple(g) for g in groups for n in g}
+    return [Held(name, dtype, (s1, s2), tuple(alias.get(p, (p,)) for p in unfuse(name, packed)))
+            for name, dtype, s1, s2 in rows]
+
+
 def model_param_info(w: Any) -> tuple[str, str]:
     p = next(_worker(w).get_model().parameters())
     return str(p.device), str(p.dtype).removeprefix("torch.")
@@ -137,6 +160,16 @@ def finish_reason(reason: str | None) -> FinishReason:
     if reason == "abort":
         return "abort"
     return "stop"
+
+
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return float(raw) if raw else default
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    return default if raw is None or raw == "" else raw.lower() in ("1", "true", "yes", "on")
 
 
 # vLLM's default CUDA-graph decode batch sizes (0.26): 1, 2, 4, then every 8 to 256, every 16 to 512.

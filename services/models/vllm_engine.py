@@ -56,13 +56,18 @@ from services.models.engine import (
 from services.models.gate import CallGate
 from services.models.vllm_adapter import (
     compile_options,
+    env_bool,
+    env_float,
     finish_reason,
+    held_checksums,
+    held_in_trainer_names,
     load_bucket,
     model_param_info,
     patch_sampler,
     sampled_logprobs,
     sampling_kwargs,
 )
+from services.models.weight_check import Held
 from services.models.weights import (
     alias_expand,
     check_version,
@@ -106,16 +111,6 @@ def _import_vllm() -> Any:
         log.warning("vLLM %s found; this backend is written and verified against %s",
                     getattr(vllm, "__version__", "?"), VLLM_VERSION)
     return vllm
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    return float(raw) if raw else default
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    return default if raw is None or raw == "" else raw.lower() in ("1", "true", "yes", "on")
 
 
 def request_seed(seed: int, row: int) -> int:
@@ -251,9 +246,9 @@ class VLLMEngine:
                                                 compile_cache_subdir)
         os.environ.update(comp_env)  # before vllm reads its environment; one engine per process
         vllm = _import_vllm()
-        util = gpu_memory_utilization if gpu_memory_utilization is not None else _env_float(
+        util = gpu_memory_utilization if gpu_memory_utilization is not None else env_float(
             "RLFLEET_VLLM_GPU_MEMORY_UTILIZATION", DEFAULT_GPU_MEMORY_UTILIZATION)
-        eager = enforce_eager if enforce_eager is not None else _env_bool("RLFLEET_VLLM_ENFORCE_EAGER", False)
+        eager = enforce_eager if enforce_eager is not None else env_bool("RLFLEET_VLLM_ENFORCE_EAGER", False)
         expected, groups = expected_parameters(path)
         kwargs: dict[str, Any] = dict(
             model=str(path),
@@ -471,6 +466,11 @@ class VLLMEngine:
                               "tensors": n}
             log.info("vLLM engine weights updated to version %d (%d tensors, %d buckets, %.3fs)", version, n,
                      nb, t2 - t0)
+
+    def weight_checksums(self) -> list[Held]:
+        """What vLLM's model holds after a sync, as made of the trainer's tensors (`weight_check`)."""
+        rows, packed = self._llm.collective_rpc(held_checksums)[0]
+        return held_in_trainer_names(rows, packed, self._groups)
 
     def reset_prefix_cache(self) -> bool:
         with self._engine_lock:

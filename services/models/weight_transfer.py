@@ -138,6 +138,28 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def stage(bucket: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The bucket's tensors, flat and in order, in one tensor on `device`, whole when this returns.
+
+    To a CUDA device (NCCL) the copies stay in stream order, and the process group waits for the
+    stream. To the host (gloo) they are written into one buffer (pinned when they come from a GPU)
+    and waited for before the broadcast reads it: a CUDA-to-host copy with non_blocking=True returns
+    before it has run, and the former `torch.cat([t.to("cpu", non_blocking=True) ...])` read its
+    pinned blocks at once, sending whatever they held before (issue 34: stale tensors, a different
+    mix per replica)."""
+    if device.type == "cuda":
+        return torch.cat([t.reshape(-1).to(device, non_blocking=True) for t in bucket])
+    gpus = {t.device for t in bucket if t.is_cuda}
+    flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, pin_memory=bool(gpus))
+    offset = 0
+    for t in bucket:
+        flat[offset:offset + t.numel()].copy_(t.reshape(-1), non_blocking=True)
+        offset += t.numel()
+    for gpu in gpus:
+        torch.cuda.synchronize(gpu)
+    return flat
+
+
 def _group(store: dist.Store, rank: int, backend: str, timeout_s: float) -> _Group:
     timeout = timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(_PREFIX, store)
@@ -181,7 +203,7 @@ class Sender:
             self._pg = _group(self._store, 0, self.link.backend, self.link.timeout_s)
         device, sent = _device(self.link.backend), 0
         for bucket in tensors:
-            flat = torch.cat([t.reshape(-1).to(device, non_blocking=True) for t in bucket])
+            flat = stage(bucket, device)
             self._pg.broadcast(flat, 0).wait()
             sent += flat.numel() * flat.element_size()
         if device.type == "cuda":

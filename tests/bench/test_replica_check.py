@@ -1,5 +1,6 @@
 """bench/replica_check.py (the one-H200 check of issue 15) in a CPU dry run, weights by broadcast:
-two replicas both take each sync, agree on greedy completions and score like the trainer. The
+two replicas both take each sync, hold the trainer's checksums, agree on greedy completions and
+score like the trainer. The
 script runs once per GPU session, so it must not rot in between."""
 
 from __future__ import annotations
@@ -26,5 +27,8 @@ def test_replica_check_dry_run_syncs_both_replicas_by_broadcast(tmp_path: Path) 
     result = json.loads((out / "replica-check-collective.json").read_text())
     assert result["ok"] and result["dry"] and result["weight_transfer"] == "collective"
     assert [r["checks"] for r in result["rounds"]] == [
-        {"versions": True, "greedy_equal_across_replicas": True, "logprobs": True}] * 2
+        {"versions": True, "greedy_equal_across_replicas": True, "checksums_equal": True, "logprobs": True}] * 2
+    # Equal weights checked directly: every tensor of both replicas against the trainer's, after each sync.
+    sums = [x for r in result["rounds"] for x in r["checksums"]]
+    assert [x["replica"] for x in sums] == [0, 1, 0, 1] and all(x["checked"] > 0 and x["unpaired"] == 0 for x in sums)
     assert {m["weight_transfer"] for m in result["describe"]["members"]} == {"collective"}

@@ -7,9 +7,12 @@ timeout. Real transformers engines in real child processes."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +21,9 @@ from services.core.config import ConfigError, parse_config
 from services.models.engine import GenerationEngine, SamplingParams, WeightSyncError
 from services.models.engine_proc import EngineDied, ProcessEngine
 from services.models.factory import make_engine
-from services.models.weight_transfer import backend_for, plan, resolve
+from services.models.replicas import ReplicaEngine, ReplicaSetBroken
+from services.models.weight_check import FAULT_ENV, WeightsMismatch
+from services.models.weight_transfer import Receiver, Sender, backend_for, plan, resolve
 from tests.fleet_helpers import perturbed_state
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
@@ -30,6 +35,13 @@ def _out(engine: GenerationEngine) -> list[tuple[list[int], list[float]]]:
     """What the engine samples for fixed prompts and seed: equal outputs mean equal weights."""
     done = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6, seed=3))
     return [(c.token_ids, c.logprobs) for c in done]
+
+
+def _checked(engine: ProcessEngine, weights: dict[str, Any]) -> None:
+    """The sync's checksums were compared for every tensor the engine holds (a mismatch would have
+    raised): the engine holds exactly what was sent, checked directly, not through its samples."""
+    held = len({t.untyped_storage().data_ptr() for t in weights.values()})  # a tied pair is one tensor
+    assert (engine.last_sync["checksums_checked"], engine.last_sync["checksums_unpaired"]) == (held, 0)
 
 
 def test_a_collective_sync_loads_exactly_what_an_ipc_sync_loads_and_a_refused_one_changes_nothing(
@@ -45,6 +57,8 @@ def test_a_collective_sync_loads_exactly_what_an_ipc_sync_loads_and_a_refused_on
         ipc.update_weights(weights.items(), 1)
         coll.update_weights(weights.items(), 1)
         assert coll.version == 1
+        _checked(ipc, weights)
+        _checked(coll, weights)
         assert _out(coll) == _out(ipc)  # bit for bit: float32 both ways
         unique = {t.untyped_storage().data_ptr(): t for t in weights.values()}  # tied tensors travel twice
         assert coll.last_sync["bytes"] >= sum(t.numel() * t.element_size() for t in unique.values())
@@ -54,6 +68,8 @@ def test_a_collective_sync_loads_exactly_what_an_ipc_sync_loads_and_a_refused_on
             w = perturbed_state(random_model, seed)
             ipc.update_weights(w.items(), v)
             coll.update_weights(w.items(), v)
+            _checked(ipc, w)
+            _checked(coll, w)
         assert _out(coll) == _out(ipc)
 
         # A refused sync (checked in the child after every bucket arrived) leaves both in step.
@@ -85,12 +101,77 @@ def test_a_collective_sync_casts_to_the_engines_dtype_before_it_travels(random_m
     try:
         ref.update_weights(weights.items(), 1)
         coll.update_weights(weights.items(), 1)
+        _checked(coll, weights)  # against the trainer's float32 tensors cast as the engine casts them
         assert _out(coll) == _out(ref)
         fp32_bytes = sum(t.numel() * 4 for t in weights.values())
         assert coll.last_sync["bytes"] == pytest.approx(fp32_bytes / 2)
     finally:
         ref.close()
         coll.close()
+
+
+def test_a_sync_that_leaves_one_tensor_one_ulp_off_fails_naming_replica_and_parameter_and_serves_nothing(
+    random_model: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    w1 = perturbed_state(random_model, 1)
+    name = next(n for n in sorted(w1) if ".layers.0." in n and n.endswith("weight"))
+    # Replica 1 (by broadcast) loads it one ulp off at version 2; replica 0 (by reference) at version 3.
+    monkeypatch.setenv(FAULT_ENV, f"2:{name}:-replica1,3:{name}:-replica0")
+    e0 = ProcessEngine("transformers", random_model, transfer="ipc", label="-replica0", threads=1)
+    e1 = ProcessEngine("transformers", random_model, transfer="collective", label="-replica1", threads=1)
+    replicas = ReplicaEngine([e0, e1])
+    try:
+        replicas.update_weights(w1.items(), 1)
+        _checked(e0, w1)
+        _checked(e1, w1)
+        want = (rf"replica 1: weight sync to version 2 failed its checksum check: engine-replica1 holds"
+                rf" {re.escape(name)} with checksum \(-?\d+, \d+\), the trainer sent \(-?\d+, \d+\)")
+        with pytest.raises(WeightsMismatch, match=want) as err:
+            replicas.update_weights(perturbed_state(random_model, 2).items(), 2)
+        assert err.value.parameter == name and err.value.held != err.value.sent
+        # Fail closed: the version does not move, the replica that holds it is stopped, nothing generates.
+        assert replicas.version == 1 and not replicas.alive and replicas.stopped_for == str(err.value)
+        assert replicas.dead_replicas() == [1] and e1.version == 1
+        with pytest.raises(ReplicaSetBroken, match="checksum"):
+            replicas.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+        with pytest.raises(EngineDied, match="checksum"):
+            e1.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+
+        with pytest.raises(WeightsMismatch, match=rf"engine-replica0 holds {re.escape(name)}"):
+            e0.update_weights(perturbed_state(random_model, 3).items(), 3)
+        assert not e0.alive and e0.version == 2 and e0.stopped_for is not None
+    finally:
+        replicas.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gloo_broadcast_of_cuda_tensors_sends_their_values_not_what_the_staging_buffer_held() -> None:
+    # Issue 34: the host copies of a gloo bucket were read before the GPU had written them.
+    sender = Sender("gloo", timeout_s=60, bucket_bytes=64 * 2**20)
+    named = [(f"w{i}", torch.zeros(1 << 22, device="cuda")) for i in range(16)]  # 16 MiB each, 4 buckets
+    receivers: list[Receiver] = []
+
+    def receive(buckets: Any, got: dict[str, torch.Tensor]) -> None:
+        if not receivers:
+            receivers.append(Receiver(sender.link))
+        for bucket in receivers[0].stream(buckets):
+            got.update((n, t.clone()) for n, t in bucket)
+
+    try:
+        for r in range(1, 4):  # later rounds reuse the pinned blocks of earlier ones
+            for i, (_, t) in enumerate(named):
+                t.fill_(100.0 * r + i)  # queued on the GPU, still running when the sender stages
+            buckets, tensors = sender.plan(named)
+            got: dict[str, torch.Tensor] = {}
+            th = threading.Thread(target=receive, args=(buckets, got))
+            th.start()
+            sender.send(tensors)
+            th.join(60)
+            for n, t in named:
+                assert torch.equal(got[n], t.cpu()), f"round {r}: {n} arrived with values it did not have"
+    finally:
+        sender.close()
 
 
 def test_an_engine_process_killed_before_a_collective_sync_fails_it_fast(random_model: Path) -> None:
