@@ -221,10 +221,11 @@ def test_sigterm_while_the_services_start_stops_each_service_and_redis(tmp_path:
     proc = _up(cfg)
     try:
         deadline = time.monotonic() + 180
-        while not (run_dir / "logs" / "controller.log").exists():  # the last service started
+        # redis-server, actor, reward, controller: the launcher opens a service's log before its process
+        # execs (and only then names the run directory), so the count is waited for too.
+        while not (run_dir / "logs" / "controller.log").exists() or len(processes_of(run_dir)) < 4:
             assert proc.poll() is None and time.monotonic() < deadline, "rlfleet up never started the controller"
             time.sleep(0.05)
-        assert len(processes_of(run_dir)) >= 4  # redis-server, actor, reward, controller
     finally:
         proc.send_signal(signal.SIGTERM)
         t_signal = time.monotonic()
