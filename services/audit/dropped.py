@@ -4,7 +4,8 @@
    from the records it holds: `filtered` (every reward of its group, in the reward stage's score
    record the journal keeps, equal within `algo.dynamic_sampling_tol`, and the whole group dropped)
    or `surplus` (generated more than `flow.max_staleness` versions before the step it was left
-   for); a `dropped` event's task is dropped in the journal.
+   for, or left over when the run's last step was in); a `dropped` event's task is dropped in the
+   journal.
 2. A trained step has a full batch: exactly `samples_per_step` tasks, whole groups of
    `algo.group_size` (known from the run's config)."""
 
@@ -71,7 +72,9 @@ class DropLedger:
             self.filtered.setdefault((rec.batch_id, rec.group_id), set()).add(rec.task_id)
         elif kind == SURPLUS:
             trains = rec.dropped_step
-            if trains is None or trains - rec.generated_version <= self.lim.max_staleness:
+            # Too stale for the step it was left for, or left when the run's last step was in.
+            if trains is None or (trains - rec.generated_version <= self.lim.max_staleness
+                                  and trains < self.lim.max_steps):
                 self.c[1].fail("surplus_not_stale", f"task {rec.task_id!r} dropped as surplus, generated at version"
                                f" {rec.generated_version}, for a step training version {trains} (max_staleness"
                                f" {self.lim.max_staleness}): it could have been trained")

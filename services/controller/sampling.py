@@ -61,13 +61,19 @@ class FleetSampling:
             return  # every group of the batch was just dropped: the assembler no longer holds it
         r, version = a.rollout_of(pbid), self.ctl.journal.step
         versions = r.versions.tolist() if r.versions is not None else [r.version] * len(r)
+        ended = version >= self.ctl.cfg.run.max_steps  # the last step is in: no step will train it
         for g in a.kept_groups(pbid):
             rows = [i for i, x in enumerate(r.group_ids.tolist()) if x == g]
             generated = min(int(versions[i]) for i in rows)
-            if version - generated > self.max_staleness:
+            if ended:
+                reason = (f"{SURPLUS}: kept, but its step was full and the run ended at step {version}"
+                          f" (run.max_steps)")
+            elif version - generated > self.max_staleness:
                 reason = (f"{SURPLUS}: kept, but its step was full; generated at version {generated}, the next"
                           f" step trains version {version} (flow.max_staleness {self.max_staleness})")
-                await self._drop(pbid, g, [r.task_ids[i] for i in rows], reason, version, SURPLUS)
+            else:
+                continue
+            await self._drop(pbid, g, [r.task_ids[i] for i in rows], reason, version, SURPLUS)
 
     async def _drop(self, pbid: str, group: int, task_ids: list[str], reason: str, step: int, kind: str) -> None:
         ctl = self.ctl

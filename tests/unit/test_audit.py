@@ -556,3 +556,16 @@ def test_python_dash_m_services_audit_is_the_audit_command(run: Run) -> None:
     )
     assert gone.returncode == EXIT_ERROR
     assert gone.stderr.strip().splitlines() == [f"rlfleet audit: run directory {run.dir / 'nowhere'} does not exist"]
+
+
+@pytest.mark.parametrize(("left_for", "ok"), [(1, False), (3, True)])
+def test_a_surplus_drop_is_valid_when_too_stale_or_left_when_the_last_step_was_in(run: Run, left_for: int,
+                                                                                  ok: bool) -> None:
+    # Generated at version 0 and left for the step training version 1: that step could have trained it.
+    # Left when journal step 3 = run.max_steps was in, no step will: the run's end drops it.
+    ids = run.admit()
+    run.generate(ids)
+    run.score(ids)
+    run.journal.mark_dropped(ids[:GROUP], "surplus: its step was full", step=left_for, kind="surplus")
+    report = run.audit(finished=False)
+    assert ("surplus_not_stale" not in failed(report).get(1, {})) is ok, report.render()
