@@ -196,23 +196,21 @@ class PolicyTrainer:
         # `old`: the behaviour's log-probs, the proximal ones scored up front, or None: each forward's own.
         old: torch.Tensor | None = None if proximal else r.behaviour_logprobs
         sampled_rows = fallback_rows = 0
-        if proximal_forward:
+        # algo.proximal "sampled" on a stale batch: each version's rows scored at the weights that sampled
+        # them; where those are not kept (after a restart), and for current rows, at the current weights.
+        by_version = proximal and self.sampled is not None and off_policy
+        if proximal_forward and not by_version:
             old = self._score(r)
-        if proximal and self.sampled is not None and off_policy:
-            # Each version's rows scored at the weights that sampled them; where those are not kept (after
-            # a restart) the current weights stand in. A proximal pass above already scored every row.
-            fresh = old is None
-            old = torch.zeros(r.response_ids.shape) if old is None else old
+        if by_version:
+            assert self.sampled is not None
+            old = torch.zeros(r.response_ids.shape)
             for v in sorted(set(versions.tolist())):
                 rows = (versions == v).nonzero()[:, 0]
                 kept = v < current_version and self.sampled.has(v)
                 fallback_rows += int(v < current_version and not kept) * len(rows)
-                if kept:
-                    with self.sampled.swapped_in(v):
-                        old[rows] = self._score(r.select(rows))
-                    sampled_rows += len(rows)
-                elif fresh:
+                with self.sampled.swapped_in(v) if kept else contextlib.nullcontext():
                     old[rows] = self._score(r.select(rows))
+                sampled_rows += len(rows) if kept else 0
         if self.sampled is not None:  # the weights the engine samples the next batches with, before they move
             self.sampled.keep(current_version)
 
