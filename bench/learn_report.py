@@ -146,7 +146,7 @@ def _met(flag: bool | None) -> str:
     return "**met**" if flag else "**missed**"
 
 
-def render_task(task: str, s: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+def render_task(task: str, s: dict[str, Any]) -> list[str]:
     lines = [f"### {task}", ""]
     lines += ["| configuration | seeds | final accuracy | best | untrained | optimizer steps | first step (cold / warm)"
               " | median step | time to TRL's median final |",
@@ -220,7 +220,7 @@ def render(summary: dict[str, Any], runs: dict[str, dict[str, list[dict[str, Any
         "",
     ]
     for task in (t for t in TASKS if t in summary):
-        lines += render_task(task, summary[task], runs[task])
+        lines += render_task(task, summary[task])
     missing = [f"{t} {c}" for t in TASKS for c in CONFIGS if len(runs.get(t, {}).get(c, [])) < 3]
     if missing:
         lines += [f"Runs still to make for three seeds each: {', '.join(missing)}.", ""]

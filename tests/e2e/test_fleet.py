@@ -101,9 +101,8 @@ def test_ppo_fleet_metrics_move_during_a_run(tmp_path: Path, tiny_model: Path, f
     fleet.start(ready_timeout_s=180)
     assert set(fleet.procs) == {"controller", "actor", "reward", "reference", "critic"}
     assert fleet.cfg is not None
-    before = {n: _scrape("127.0.0.1", fleet.cfg.endpoint(n).http_port) for n in fleet.procs}
     # Keep the last scrape of each service while the run goes on (the run may end between polls).
-    after = dict(before)
+    after = {n: _scrape("127.0.0.1", fleet.cfg.endpoint(n).http_port) for n in fleet.procs}
     deadline = time.monotonic() + 240
     while fleet.procs["controller"].alive and time.monotonic() < deadline:
         for n in fleet.procs:
@@ -114,11 +113,10 @@ def test_ppo_fleet_metrics_move_during_a_run(tmp_path: Path, tiny_model: Path, f
         if after["controller"].get('rlfleet_policy_version{service="controller"}', 0) >= 2:
             break
         time.sleep(0.2)
-    # Counters start at zero with the process: generation may all have happened before the first
-    # scrape (admission runs max_staleness steps ahead), so "moved" is measured from zero.
+    # Counters and the version gauge start at zero with the process: generation, and on a fast host
+    # the first steps too (CI saw version 2 at the first scrape), may all have happened before the
+    # first scrape (admission runs max_staleness steps ahead), so "moved" is measured from zero.
     assert _total(after["actor"], 'rlfleet_tokens_total{phase="generate"') > 0
-    assert after["controller"]['rlfleet_policy_version{service="controller"}'] > before["controller"].get(
-        'rlfleet_policy_version{service="controller"}', 0)
     for stage in ("reward", "reference", "critic"):
         assert _total(after[stage], 'rlfleet_samples_total{phase="score"') > 0, stage
     assert after["controller"]['rlfleet_policy_version{service="controller"}'] >= 2
