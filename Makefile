@@ -13,7 +13,7 @@ PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 # The throwaway venv `make constraints` resolves in.
 FRESH_VENV ?= .venv-constraints
 
-.PHONY: setup constraints redis run run-local test test-unit test-serial proto proto-check lint bench images test-deploy clean
+.PHONY: setup constraints redis run run-local test test-unit test-serial proto proto-check layout lint bench images test-deploy clean
 
 setup: $(BIN)/rlfleet redis
 
@@ -69,6 +69,9 @@ test-serial: setup
 
 proto: $(BIN)/rlfleet
 	$(BIN)/python scripts/gen_proto.py
+
+layout:
+	$(BIN)/python scripts/gen_layout.py
 
 proto-check: $(BIN)/rlfleet
 	$(BIN)/python scripts/gen_proto.py --check

@@ -49,12 +49,12 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
-from services.core import wire
-from services.core.bus import Bus
-from services.core.config import FlowSection, load_config
+from services.core.config.run import FlowSection, load_config
+from services.core.host.redis_proc import RedisProcess, start_redis
 from services.core.ids import task_id
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.redis_proc import RedisProcess, start_redis
+from services.core.transport.bus import Bus
+from services.rl import wire
 from services.rl.batch import Rollout
 
 ROOT: Final = Path(__file__).resolve().parents[1]
@@ -696,7 +696,7 @@ async def measure_tiny(c: Clients, cfg: BenchConfig) -> dict[str, Any]:
 # -- the tiny run's step time (the local loop) ----------------------------------------------------
 _LOCAL_CHILD: Final = """
 import sys
-from services.core.config import load_config
+from services.core.config.run import load_config
 from services.local import run_local
 config, steps, run_dir = sys.argv[1:4]
 print(run_local(load_config(config, run__max_steps=int(steps), run__dir=run_dir, task__eval_size=0)))

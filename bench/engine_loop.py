@@ -37,8 +37,8 @@ def main() -> None:
     from vllm.sampling_params import RequestOutputKind
 
     from services.models.engine import SamplingParams
-    from services.models.loading import load_tokenizer
-    from services.models.vllm_engine import VLLMEngine
+    from services.models.engines.vllm_engine import VLLMEngine
+    from services.models.io.loading import load_tokenizer
 
     out = Path(sys.argv[1])
     model = build_model("0.5b")

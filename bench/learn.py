@@ -118,7 +118,7 @@ def prepare() -> Path:
         return _tiny_model()
     if (out / ".prepared").exists():  # every run's process calls this: the tokenizer load costs ~15 s
         return out
-    from services.models.gguf_model import materialize_gguf
+    from services.models.io.gguf_model import materialize_gguf
 
     if not out.exists():
         materialize_gguf(smollm2_gguf(), out)
@@ -146,8 +146,8 @@ def prepare() -> Path:
 
 def _tiny_model() -> Path:
     """The dry run's stand-in: a tiny Qwen2 for the same task, built by rlfleet's own model builder."""
-    from services.core.config import RunConfig
-    from services.models.roles import prepare as prepare_roles
+    from services.core.config.run import RunConfig
+    from services.models.roles.resolve import prepare as prepare_roles
 
     cfg = run_config(Path("unused"), WORK / f"tiny-build-{W['task']}")  # the tiny model is built for its task
     cfg["run"]["seed"] = 0  # one model for every run's seed, as the real model is
@@ -183,8 +183,8 @@ def run_config(model: Path, run_dir: Path) -> dict[str, Any]:
 
 def load_task(cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
     """The run's task, tokenizer and parsed config, built by rlfleet's own code (both frameworks use them)."""
-    from services.core.config import RunConfig
-    from services.models.loading import load_tokenizer
+    from services.core.config.run import RunConfig
+    from services.models.io.loading import load_tokenizer
     from services.tasks import load_task as load_run_task
 
     rc = RunConfig.model_validate(cfg)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.core.config import AlgoSection
+from services.core.config.run import AlgoSection
 from services.rl.batch import Rollout
 from services.rl.micro import part_of, plan, real_lengths
 from services.rl.trainer import PolicyTrainer

@@ -21,7 +21,7 @@ turns peaked) it records, per replica:
 - greedy completions of the same prompts on both replicas (the prompt set twice, one copy per
   replica): equal when both hold the same weights;
 - the GPU memory its process holds (NVML) against the GPU's total, so "they share it, split";
-- whether every parameter it holds has the trainer's checksum (`services.models.weight_check`: exact
+- whether every parameter it holds has the trainer's checksum (`services.models.weights.check`: exact
   integer sums of the bytes in the engine's dtype, vLLM's fused q/k/v and gate/up as their parts), so
   "both hold exactly the trainer's weights" is checked directly, not through greedy text (issue 34).
   A mismatch fails the sync (the replica is stopped): the round records the replica, the parameter
@@ -67,7 +67,7 @@ def build_model(path: Path) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from services.models.tokenizer import SPECIAL_TOKENS, build_tokenizer_from_vocab
+    from services.models.roles.tokenizer import SPECIAL_TOKENS, build_tokenizer_from_vocab
 
     if (path / "config.json").exists():
         return path
@@ -91,15 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from services.actor.engine_metrics import replica_rows
-    from services.core.config import parse_config
-    from services.core.gpu import GpuMonitor
-    from services.core.metrics import ServiceMetrics
+    from services.core.config.run import parse_config
+    from services.core.observability.gpu import GpuMonitor
+    from services.core.observability.metrics import ServiceMetrics
     from services.models.engine import SamplingParams
-    from services.models.factory import make_engine
-    from services.models.loading import load_causal_lm
-    from services.models.logprobs import response_logprobs
-    from services.models.replicas import ReplicaEngine, spread
-    from services.models.weight_check import WeightsMismatch
+    from services.models.engines.factory import make_engine
+    from services.models.engines.replicas import ReplicaEngine, spread
+    from services.models.io.loading import load_causal_lm
+    from services.models.nets.logprobs import response_logprobs
+    from services.models.weights.check import WeightsMismatch
 
     device = "cpu" if DRY else "cuda"
     dtype = "float32" if DRY else "bfloat16"
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _checksums(engine: Any, version: int, err: Any) -> list[dict[str, Any]]:
     """Per replica, whether every parameter it holds after this sync has the trainer's checksum
-    (`weight_check`: exact sums of the bytes in the engine's dtype, fused parameters as their parts):
+    (`weights.check`: exact sums of the bytes in the engine's dtype, fused parameters as their parts):
     equal only when each tensor was compared (`checked`) and none was left unpaired either way."""
     out: list[dict[str, Any]] = []
     for r, e in enumerate(engine.engines):

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import yaml
 
-from services.core.config import RunConfig, load_config
+from services.core.config.run import RunConfig, load_config
 from services.fleet import Fleet
 
 ROOT = Path(__file__).resolve().parents[1]

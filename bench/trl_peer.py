@@ -243,7 +243,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from services.models.loading import load_tokenizer
+    from services.models.io.loading import load_tokenizer
     from services.tasks.base import Prompt
     from services.tasks.synthetic import SyntheticTask
 

@@ -81,8 +81,8 @@ def phase_main(out: Path) -> dict[str, Any]:
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     from services.models.engine import SamplingParams, completions_to_rollout
-    from services.models.logprobs import response_logprobs
-    from services.models.vllm_engine import VLLMEngine
+    from services.models.engines.vllm_engine import VLLMEngine
+    from services.models.nets.logprobs import response_logprobs
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -345,8 +345,8 @@ class _DryEngine:
     """The transformers engine standing in for vLLM in a CPU dry run of this script."""
 
     def __init__(self, path: Path):
-        from services.models.hf_engine import TransformersEngine
-        from services.models.loading import load_causal_lm
+        from services.models.engines.hf_engine import TransformersEngine
+        from services.models.io.loading import load_causal_lm
 
         self._e = TransformersEngine(load_causal_lm(path), [int(QWEN05["eos_token_id"])], 0)  # type: ignore
         self.last_sync: dict[str, Any] = {"buckets": 1}
@@ -384,7 +384,7 @@ class _DryEngine:
 # -- phase fresh -----------------------------------------------------------------------------------
 def phase_fresh(out: Path) -> dict[str, Any]:
     from services.models.engine import SamplingParams
-    from services.models.vllm_engine import VLLMEngine
+    from services.models.engines.vllm_engine import VLLMEngine
 
     upd = json.loads((WORK / "updated.json").read_text())
     t0 = time.perf_counter()
@@ -414,7 +414,7 @@ def phase_fresh(out: Path) -> dict[str, Any]:
 def phase_grpo(out: Path, engine_name: str, steps: int) -> dict[str, Any]:
     import torch
 
-    from services.core.config import load_config
+    from services.core.config.run import load_config
     from services.local import run_local
 
     if engine_name == "transformers":

@@ -387,7 +387,7 @@ def build_model(workload: str) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from services.models.tokenizer import build_tokenizer_from_vocab
+    from services.models.roles.tokenizer import build_tokenizer_from_vocab
 
     path = model_dir(workload)
     if (path / "config.json").exists():
@@ -695,8 +695,8 @@ def startup_timeline(run_dir: Path, t0: float) -> dict[str, dict[str, float]]:
 VLLM_ALONE = r'''
 import json, statistics, sys, time
 from pathlib import Path
-from services.models.loading import load_tokenizer
-from services.models.vllm_engine import VLLMEngine
+from services.models.io.loading import load_tokenizer
+from services.models.engines.vllm_engine import VLLMEngine
 from bench.vs_trl import W, synthetic_task
 model, out, workload, opts = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 tok = load_tokenizer(model)
@@ -730,9 +730,9 @@ TRAIN_ALONE = r'''
 import json, statistics, sys, time
 import torch
 from pathlib import Path
-from services.core.config import parse_config
+from services.core.config.run import parse_config
 from services.dist.build import build_model, build_trainer
-from services.models.loading import load_causal_lm
+from services.models.io.loading import load_causal_lm
 from services.reference.scorer import ReferenceScorer
 from services.rl.batch import Rollout
 cfg, out, steps = parse_config(json.loads(sys.argv[1]), source="train-alone"), sys.argv[2], json.loads(sys.argv[3])
@@ -794,7 +794,7 @@ def phase_train_alone(p: Phase, cap: float, gpu: GpuSampler) -> dict[str, Any]:
 
 def engine_options(workload: str) -> dict[str, Any]:
     """`VLLMEngine.from_path` options of the fleet repeats' actor engine for `workload`."""
-    from services.core.config import parse_config
+    from services.core.config.run import parse_config
 
     (rep1,) = select(f"fleet-{workload}-r1")
     cfg = parse_config(fleet_config(rep1, model_dir(workload), 0, dry=False), source=rep1.name)
@@ -874,7 +874,7 @@ def run_phase(p: Phase, cap: float, gpu: GpuSampler, done: dict[str, Any], index
         return {**done[same], "reused_from": same} if same else phase_train_alone(p, cap, gpu)
     if DRY:
         # What the GPU run will start must at least be a valid config: a wrong option fails here.
-        from services.core.config import parse_config
+        from services.core.config.run import parse_config
 
         gpu_cfg = parse_config(fleet_config(p, model_dir(p.workload), 0, dry=False), source=p.name)
         checked = {"gpu_config_ok": True, "gpu_algo": gpu_cfg.algo.name, "gpu_engine": gpu_cfg.generation.engine}

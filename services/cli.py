@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported where used: a Ctrl-C in an import before main() runs is a traceback
-    from services.core.config import RunConfig
+    from services.core.config.run import RunConfig
 
 log = logging.getLogger("rlfleet.cli")
 _T0 = time.monotonic()  # about when the command started: the launcher log's seconds count from here
@@ -44,7 +44,7 @@ def _version() -> str:
 
 
 def load_config(*args: Any, **kw: Any) -> RunConfig:
-    from services.core.config import load_config
+    from services.core.config.run import load_config
 
     return load_config(*args, **kw)
 
@@ -71,7 +71,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     state = check_local(cfg)
     if state.kind == "local" and state.step:
         print(f"{cfg.run_dir} holds an earlier local run ({state.step} steps): train --local starts over")
-    from services.core.entry import quiet_torch
+    from services.core.serving.entry import quiet_torch
     from services.local import run_local
 
     quiet_torch()
@@ -165,7 +165,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 def _up(fleet: Any, cfg: RunConfig, args: argparse.Namespace, console: Any) -> int:
     cfg.check_secrets()  # before anything starts: a configured secret that is missing fails closed
     state = fleet.preflight()  # nothing started yet: a failure here leaves nothing to stop
-    from services.core.logs import log_to_file
+    from services.core.observability.logs import log_to_file
 
     # Where start-up goes, next to the services' logs: preflight, Redis, models, each service started.
     log_to_file(fleet.run_dir / "logs" / "launcher.log", "launcher")
@@ -178,7 +178,7 @@ def _up(fleet: Any, cfg: RunConfig, args: argparse.Namespace, console: Any) -> i
                       f" in {fleet.run_dir}")
     else:
         console.print(f"[bold]rlfleet up[/]: preparing {cfg.run.name} in {fleet.run_dir}")
-    from services.core.entry import quiet_torch
+    from services.core.serving.entry import quiet_torch
 
     fleet.reserve_ports()  # checked before torch loads: a taken port is a one-second failure
     # Kept before Redis starts although a policy given by path needs no torch here (~5 s on the H200
@@ -224,7 +224,7 @@ def _report(fleet: Any, cfg: RunConfig, console: Any, interrupted: bool) -> None
 
 def _export_final(run_dir: Path, console: Any) -> int:
     """The trained policy as a save_pretrained directory, RUN_DIR/export, at the end of a run."""
-    from services.models.export import ExportError, export_final
+    from services.models.checkpoints.export import ExportError, export_final
 
     try:
         done = export_final(run_dir)
@@ -319,8 +319,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from services.core.entry import quiet_torch
-    from services.models.export import export_main
+    from services.core.serving.entry import quiet_torch
+    from services.models.checkpoints.export import export_main
 
     quiet_torch()
     return export_main(args.run_dir, args.out, version=args.version, base=args.base, lora=args.lora)
@@ -398,10 +398,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     command imported: an error cannot come from a module that was never loaded (and importing
     one here, like the model loader, would cost seconds of torch start-up)."""
     names = {
-        "services.preflight": ("PreflightError",), "services.core.ports": ("PortError",),
+        "services.preflight": ("PreflightError",), "services.core.host.ports": ("PortError",),
         "services.fleet": ("FleetError",), "services.tasks.base": ("TaskError",),
-        "services.models.loading": ("ModelLoadError",), "services.core.redis_proc": ("RedisNotFound",),
-        "services.core.placement": ("PlacementError",), "services.core.journal": ("JournalError",),
+        "services.models.io.loading": ("ModelLoadError",), "services.core.host.redis_proc": ("RedisNotFound",),
+        "services.core.host.placement": ("PlacementError",), "services.core.journal.journal": ("JournalError",),
         "services.rl.dynamic_sampling": ("DynamicSamplingExhausted",),
     }
     out: list[type[BaseException]] = []
@@ -434,8 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for h in logging.getLogger().handlers:
         h.setLevel(logging.WARNING)  # `up` also logs INFO, to RUN_DIR/logs/launcher.log only
     try:
-        from services.core.config import ConfigError  # inside: a Ctrl-C during this import is one line too
-        from services.core.entry import compile_caches
+        from services.core.config.run import ConfigError  # inside: a Ctrl-C during this import is one line too
+        from services.core.serving.entry import compile_caches
 
         compile_caches()  # `train --local` compiles in this process; `up`'s services inherit it
 

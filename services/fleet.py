@@ -26,12 +26,12 @@ from typing import Any
 import httpx
 import yaml
 
-from services.core import lifeline
-from services.core.config import RunConfig, ServiceName, parse_config
-from services.core.mps import MpsDaemon, MpsError
-from services.core.placement import Inventory, PlacementError, Plan, discover_gpus
-from services.core.ports import PortClaims, PortRequest, assign_ports
-from services.core.redis_proc import RedisProcess, start_redis
+from services.core.config.run import RunConfig, ServiceName, parse_config
+from services.core.host import lifeline
+from services.core.host.mps import MpsDaemon, MpsError
+from services.core.host.placement import Inventory, PlacementError, Plan, discover_gpus
+from services.core.host.ports import PortClaims, PortRequest, assign_ports
+from services.core.host.redis_proc import RedisProcess, start_redis
 from services.preflight import RunState, check_fleet
 
 log = logging.getLogger("rlfleet.fleet")
@@ -226,14 +226,14 @@ class Fleet:
         return self.ports
 
     def prepare(self) -> RunConfig:
-        from services.models.paths import given_by_path
+        from services.models.roles.paths import given_by_path
 
         # A policy given by path needs no build: preflight checked its directory, and the services
         # load it themselves, so Redis and the services start without the launcher importing torch.
         build = not given_by_path(self.base_cfg.models.policy, "policy", self.run_dir)
         if build:
             with self.hold_signals(nothing_started=True):  # loads transformers and torch: see hold_signals
-                from services.models import roles
+                from services.models.roles import resolve as roles
 
                 roles.import_builders()  # the model code roles.prepare may build with (services import it lazily)
         self.preflight()
@@ -390,8 +390,8 @@ class Fleet:
                     self._launch(name, sp.name, sp.replica, restarts=sp.restarts)
                     continue
                 if sp.proc.returncode == 2:
-                    # Exit code 2 is a configuration the service cannot run with (services.core.entry,
-                    # services.core.runtime): a restart would meet it again, so the run stops on its line.
+                    # Exit code 2 is a configuration the service cannot run with (services.core.serving.entry,
+                    # services.core.serving.runtime): a restart would meet it again, so the run stops on its line.
                     raise FleetError(f"{name} stopped: {last_error(sp.log_path)} (log: {sp.log_path})")
                 if sp.restarts >= self.restart_budget:
                     raise FleetError(f"{name} died {sp.restarts + 1} times (restart budget {self.restart_budget});"

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
-from services.core.config import RunConfig
+from services.core.config.run import RunConfig
 from services.core.ids import generation_seed, task_id
-from services.core.trackers import Trackers
-from services.models.checkpoint import prune, save_checkpoint
+from services.core.observability.trackers import Trackers
+from services.models.checkpoints.checkpoint import prune, save_checkpoint
+from services.models.checkpoints.export import export_final, record_local_config
 from services.models.engine import GenerationEngine, SamplingParams, completions_to_rollout
-from services.models.export import export_final, record_local_config
-from services.models.factory import make_engine
-from services.models.loading import load_causal_lm
-from services.models.lora import check_only_adapters_train, engine_weights, load_policy
-from services.models.roles import critic_path, prepare
+from services.models.engines.factory import make_engine
+from services.models.io.loading import load_causal_lm
+from services.models.nets.lora import check_only_adapters_train, engine_weights, load_policy
+from services.models.roles.resolve import critic_path, prepare
 from services.reference.scorer import ReferenceScorer
 from services.reward.scorer import RewardScorer, reward_model_path
 from services.rl import batch as rb
@@ -115,7 +115,7 @@ def run_local(
         check_only_adapters_train(policy, trainer.opt)
     critic = critic_trainer = None
     if cfg.algo.needs_critic:
-        from services.models.critic import ValueModel
+        from services.models.nets.critic import ValueModel
 
         spec = cfg.models.critic or cfg.models.policy
         critic = ValueModel.from_policy(critic_path(cfg, roles.policy_path), dtype=spec.dtype,

@@ -36,8 +36,8 @@ from typing import Any
 
 import yaml
 
-from services.core.config import SERVICE_NAMES, ConfigError, RunConfig, load_config
-from services.core.placement import Inventory, PlacementError, Plan, discover_gpus, load_inventory, resolve
+from services.core.config.run import SERVICE_NAMES, ConfigError, RunConfig, load_config
+from services.core.host.placement import Inventory, PlacementError, Plan, discover_gpus, load_inventory, resolve
 
 OPTIONAL_STAGES = ("reference", "critic")
 
@@ -64,7 +64,7 @@ def trainer_ranks(cfg: RunConfig, service: str, gpus: int) -> int:
 
 def group_use_notes(cfg: RunConfig, plan: Plan) -> list[str]:
     """How the actor (and critic) split their group: trainer ranks, engine replicas and their GPUs."""
-    from services.models.replicas import replica_layout
+    from services.models.engines.replicas import replica_layout
 
     notes = []
     for svc in ("actor", "critic"):

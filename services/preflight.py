@@ -6,7 +6,7 @@ failing 15-70 s later. Checked: the run directory is writable and holds no run o
 the task (its parameters, its dataset, a `reward_fn` module) builds, each model directory is a
 model with weights and the policy's tokenizer is present, matches the model's vocabulary and
 encodes the task's prompts, and `redis-server` is on the PATH when the launcher must start one.
-Ports are checked by `services.core.ports` when the launcher assigns them.
+Ports are checked by `services.core.host.ports` when the launcher assigns them.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from services.core.config import ModelSpec, RunConfig
-from services.core.trackers import check_trackers
-from services.models.paths import model_dir
+from services.core.config.run import ModelSpec, RunConfig
+from services.core.observability.trackers import check_trackers
+from services.models.roles.paths import model_dir
 
 __all__ = ["PreflightError", "RunState", "check_fleet", "check_local", "check_no_holders", "run_state"]
 
@@ -56,7 +56,7 @@ def run_state(cfg: RunConfig) -> RunState:
     run_dir = cfg.run_dir
     journal = cfg.journal_dir
     if (journal / "data.mdb").exists():
-        from services.core.journal import Journal, JournalError
+        from services.core.journal.journal import Journal, JournalError
 
         try:
             j = Journal.open(journal, readonly=True, stages=cfg.stages(),
@@ -204,7 +204,7 @@ def check_no_holders(run_dir: Path) -> None:
     """No process an earlier `rlfleet up` started on this directory still runs (one killed with
     SIGKILL leaves its services a few seconds to notice; a second fleet beside them would share
     their journal)."""
-    from services.core.lifeline import holders
+    from services.core.host.lifeline import holders
 
     left = holders(run_dir.resolve())
     if left:

@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from services.core.config import ConfigError, RunConfig, load_config, parse_config
+from services.core.config.run import ConfigError, RunConfig, load_config, parse_config
 
 
 def prometheus_targets(cfg: RunConfig) -> list[dict[str, Any]]:
@@ -68,7 +68,7 @@ def prepare(cfg: RunConfig, redis_url: str | None, *, password_env: str | None =
     if resolved.redis.url is None:
         raise ConfigError("redis.url is not set: pass --redis-url (or set redis.url in the config)")
     if build_models:
-        from services.models.roles import prepare as prepare_models
+        from services.models.roles.resolve import prepare as prepare_models
 
         prepare_models(resolved)
     _write(resolved.run_dir / "fleet.yaml", yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False))
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         " (default RLFLEET_TOKEN when that variable is set)")
     p.add_argument("--no-models", action="store_true", help="do not build the tiny model here")
     args = p.parse_args(argv)
-    from services.core.entry import quiet_torch
+    from services.core.serving.entry import quiet_torch
 
     quiet_torch()
     password_env = args.password_env or ("REDIS_PASSWORD" if os.environ.get("REDIS_PASSWORD") else None)

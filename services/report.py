@@ -161,7 +161,7 @@ def _samples_section(run_dir: Path) -> str:
 
 
 def _trackers_section(run_dir: Path) -> str:
-    from services.core.trackers import summary_lines
+    from services.core.observability.trackers import summary_lines
 
     lines = summary_lines(run_dir)
     return "".join(f"<p>{_esc(line)}</p>" for line in lines) or "<p>no experiment trackers configured</p>"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from services.core.ports import pid_alive
+from services.core.host.ports import pid_alive
 from services.fleet import FleetError, read_service_files
 
 

@@ -14,13 +14,13 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from services.audit import audit
-from services.core.config import load_config
-from services.core.journal import Journal
+from services.core.config.run import load_config
+from services.core.journal.journal import Journal
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.wire import parse_message, validate_rollout_batch
-from services.models.checkpoint import load_checkpoint
-from services.models.loading import load_causal_lm, load_tokenizer
-from services.models.logprobs import response_logprobs
+from services.models.checkpoints.checkpoint import load_checkpoint
+from services.models.io.loading import load_causal_lm, load_tokenizer
+from services.models.nets.logprobs import response_logprobs
+from services.rl.wire import parse_message, validate_rollout_batch
 from services.tasks import load_task
 from services.tasks.chat import encode_prompt
 

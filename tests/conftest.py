@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from services.core.config import load_config
-from services.core.entry import quiet_torch
-from services.core.redis_proc import RedisProcess, start_redis
+from services.core.config.run import load_config
+from services.core.host.redis_proc import RedisProcess, start_redis
+from services.core.serving.entry import quiet_torch
 from services.fleet import Fleet
-from services.models.paths import resolve_model_path
+from services.models.roles.paths import resolve_model_path
 from services.tasks import load_task
 from tests.fleet_helpers import EXAMPLE
 
@@ -75,8 +75,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded task's tiny model with random weights (no warm-up): EOS is rare, so every row
     runs to max_new_tokens and a change of weights shows in what it samples."""
-    from services.core.config import TinyModelSpec
-    from services.models.tiny import build_tiny_model
+    from services.core.config.run import TinyModelSpec
+    from services.models.roles.tiny import build_tiny_model
     from services.tasks import make_task
 
     return build_tiny_model(make_task("arithmetic"), TinyModelSpec(warmup_steps=0),

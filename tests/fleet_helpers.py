@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import yaml
 
-from services.core.config import RunConfig, parse_config
+from services.core.config.run import RunConfig, parse_config
 from services.fleet import Fleet
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
@@ -102,7 +102,7 @@ def commit_steps(journal: Any, steps: int) -> None:
     """Move a journal to step `steps` the way the controller does: each step admits one task, which
     is generated, scored by every stage and trained."""
     from services.core.ids import task_id
-    from services.core.journal import TaskSpec
+    from services.core.journal.journal import TaskSpec
 
     for step in range(journal.step + 1, steps + 1):
         tid = task_id(step - 1, 0)
@@ -140,7 +140,7 @@ def perturbed_state(model_path: Path, seed: int, scale: float = 0.3) -> dict[str
     """The model's state dict moved by seeded noise: a new version to sync into an engine."""
     import torch
 
-    from services.models.loading import load_causal_lm
+    from services.models.io.loading import load_causal_lm
 
     m = load_causal_lm(model_path)
     g = torch.Generator().manual_seed(seed)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.core.trackers import read_state, row_metrics
+from services.core.observability.trackers import read_state, row_metrics
 from services.report import read_metrics
 
 Rows = dict[int, dict[str, float]]

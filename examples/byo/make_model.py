@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from services.models.tokenizer import build_tokenizer_from_vocab
+from services.models.roles.tokenizer import build_tokenizer_from_vocab
 
 
 def make_model(out: Path) -> Path:

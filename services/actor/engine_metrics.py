@@ -22,8 +22,8 @@ from typing import Any
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.core.gpu import GpuMonitor
-from services.models.replicas import ReplicaEngine
+from services.core.observability.gpu import GpuMonitor
+from services.models.engines.replicas import ReplicaEngine
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

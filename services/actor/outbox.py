@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from services.core.bus import BusUnavailable
-from services.core.lmdb_store import LmdbStore, StoreFull
+from services.core.journal.lmdb_store import LmdbStore, StoreFull
+from services.core.transport.bus import BusUnavailable
 
 log = logging.getLogger(__name__)
 

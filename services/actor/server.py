@@ -24,28 +24,28 @@ from transformers import PreTrainedModel
 
 from services.actor.engine_metrics import ReplicaCollector, replica_rows
 from services.actor.outbox import Outbox
-from services.core.bus import Bus, BusUnavailable, Message, bus_options
-from services.core.config import RunConfig
+from services.core.config.run import RunConfig
 from services.core.ids import rollout_id as new_rollout_id
-from services.core.limits import Limits
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
-from services.core.runtime import ServiceRuntime
-from services.core.servicer import ServiceCalls, invalid
-from services.core.trainable import Trainable, WeightsRefused
-from services.core.wire import TrainRequest, WireError, check_schema_version, message, parse_message, rollout_to_proto
-from services.core.worker import Rejected, StreamWorker
+from services.core.serving.runtime import ServiceRuntime
+from services.core.serving.worker import Rejected, StreamWorker
+from services.core.transport.bus import Bus, BusUnavailable, Message, bus_options
+from services.core.transport.limits import Limits
 from services.dist.build import build_model, build_trainer
 from services.dist.group import RankGauges, RankGroup
 from services.dist.nodes import world_size
 from services.dist.protocol import RankError
 from services.models.engine import EngineError, GenerationEngine, SamplingParams, completions_to_rollout
-from services.models.factory import make_engine
-from services.models.loading import load_tokenizer
-from services.models.logprobs import warm_up_compiled
-from services.models.lora import check_only_adapters_train, engine_weights, is_lora
-from services.models.replicas import ReplicaEngine
+from services.models.engines.factory import make_engine
+from services.models.engines.replicas import ReplicaEngine
+from services.models.io.loading import load_tokenizer
+from services.models.nets.logprobs import warm_up_compiled
+from services.models.nets.lora import check_only_adapters_train, engine_weights, is_lora
 from services.rl.trainer import PolicyTrainer
+from services.rl.wire import TrainRequest, WireError, check_schema_version, message, parse_message, rollout_to_proto
+from services.workers.servicer import ServiceCalls, invalid
+from services.workers.trainable import Trainable, WeightsRefused
 
 log = logging.getLogger("rlfleet.actor")
 
@@ -63,7 +63,7 @@ class Actor:
             self.engine = self._start_beside_trainer(cfg, path, engine_kw)
         else:
             # The engine first: its start is the longest (vLLM's compile and memory profiling), it may
-            # already be under way (services.models.engine_boot), and vLLM's profiling must not count
+            # already be under way (services.models.engines.boot), and vLLM's profiling must not count
             # the trainer's allocations as its own.
             self.engine = make_engine(cfg.generation.engine, path, **engine_kw)
             try:

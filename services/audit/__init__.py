@@ -4,7 +4,7 @@ The audit reads two records of the run and cross-checks them:
 
 * the task journal (`RUN_DIR/journal/`, LMDB, opened read-only): the source of truth for every
   task's state, the step counter, acknowledged versions, checkpoint steps and replay batches;
-* the append-only event log (`RUN_DIR/events.jsonl`, read through `services.core.events`): the
+* the append-only event log (`RUN_DIR/events.jsonl`, read through `services.core.observability.events`): the
   history, in order, that lets the audit check properties a final state cannot show (a version that
   went backwards and forwards again, a queue that was once too deep, a task that counted twice).
 

@@ -16,10 +16,10 @@ from collections import Counter
 from services.audit.limits import Limits
 from services.audit.results import Checks
 from services.core import ids
-from services.core.journal import Journal, TaskRecord, TaskState
+from services.core.journal.journal import Journal, TaskRecord, TaskState
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.wire import WireError, parse_message, score_from_proto
 from services.rl.dynamic_sampling import FILTERED, SURPLUS, all_equal
+from services.rl.wire import WireError, parse_message, score_from_proto
 
 
 class DropLedger:

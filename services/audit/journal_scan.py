@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from services.audit.dropped import DropLedger
 from services.audit.results import MAX_EXAMPLES, Checks
 from services.audit.tasks import TaskLedger, Trained
-from services.core.journal import Journal, TaskRecord, TaskState
+from services.core.journal.journal import Journal, TaskRecord, TaskState
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from services.core.config import ConfigError, RunConfig, load_config
+from services.core.config.run import ConfigError, RunConfig, load_config
 
 # Strict: a bool or a float is not a count, and a string is never coerced into one.
 Count = Annotated[int, Field(ge=0, strict=True)]

@@ -13,7 +13,7 @@ from typing import Any
 
 from services.audit.limits import Limits
 from services.audit.results import MAX_EXAMPLES, Checks, is_int, is_num
-from services.core.events import Event
+from services.core.observability.events import Event
 
 # Keys of `Journal.usage()` that are not disk the run occupies.
 _NOT_USAGE = frozenset({"map_size", "disk_free_bytes", "used_bytes"})

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.core.events import Event
+from services.core.observability.events import Event
 
 MAX_EXAMPLES = 10
 

@@ -18,9 +18,9 @@ from services.audit.resources import ResourceLedger
 from services.audit.results import Checks, is_int
 from services.audit.tasks import TaskLedger
 from services.audit.versions import VersionLedger
-from services.core.config import ConfigError, load_config
-from services.core.events import EVENT_FIELDS, Event, EventReader
-from services.core.journal import Journal, JournalError, TaskState
+from services.core.config.run import ConfigError, load_config
+from services.core.journal.journal import Journal, JournalError, TaskState
+from services.core.observability.events import EVENT_FIELDS, Event, EventReader
 
 # Not an EVENT_FIELDS kind: the launcher may append it (with validate_kinds=False) when the
 # controller exits 0 after its last step. Its presence means "finished" for auto-detection.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from services.audit.limits import Limits
 from services.audit.results import Checks, is_int, task_ids
-from services.core.events import Event
+from services.core.observability.events import Event
 
 
 @dataclass

@@ -8,8 +8,8 @@ oldest checkpoint of a trainable service (what a restarted service is replayed f
 from __future__ import annotations
 
 from services.audit.results import Checks, is_int, ranges, span
-from services.core.events import Event
-from services.core.journal import Journal
+from services.core.journal.journal import Journal
+from services.core.observability.events import Event
 
 
 def _service_key(ev: Event) -> str | None:

@@ -15,14 +15,14 @@ from typing import Any
 from services.controller.durable import DurableJournal
 from services.controller.sampling import check_bound
 from services.core import ids
-from services.core.config import RunConfig
-from services.core.events import EventLog
-from services.core.journal import Journal, JournalFull, TaskSpec
-from services.core.metrics import ServiceMetrics
+from services.core.config.run import RunConfig
+from services.core.journal.journal import Journal, JournalFull, TaskSpec
+from services.core.observability.events import EventLog
+from services.core.observability.metrics import ServiceMetrics
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.wire import message
-from services.core.worker import Rejected
+from services.core.serving.worker import Rejected
 from services.rl.batch import Rollout
+from services.rl.wire import message
 from services.tasks.base import PromptError, Task
 from services.tasks.chat import encode_prompt
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.core.config import RunConfig
-from services.core.wire import Scores
+from services.core.config.run import RunConfig
+from services.rl.wire import Scores
 
 
 def reward_names(task: Any, cfg: RunConfig) -> frozenset[str]:

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from services.core.journal import Journal, JournalFull
+from services.core.journal.journal import Journal, JournalFull
 from services.core.retry import Policy
 
 log = logging.getLogger("rlfleet.controller")

@@ -21,13 +21,13 @@ from typing import Any
 
 import grpc
 
-from services.core.config import RunConfig
-from services.core.events import AppendOnlyFile
-from services.core.metrics import ServiceMetrics
+from services.core.config.run import RunConfig
+from services.core.observability.events import AppendOnlyFile
+from services.core.observability.metrics import ServiceMetrics
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.runtime import rpc
-from services.core.wire import message
+from services.core.serving.runtime import rpc
 from services.reward.worker import RewardStopped, RewardWorker
+from services.rl.wire import message
 from services.tasks import evaluation as ev
 from services.tasks.base import Prompt, Task
 from services.tasks.rewards import configured_reward

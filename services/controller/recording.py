@@ -1,6 +1,6 @@
 """What a committed step leaves behind besides the journal: its metrics.jsonl row, the gauges
 Prometheus scrapes, the queue depths `rlfleet status` shows, a `resources` event for the audit, and
-the same row in the configured experiment trackers (`services.core.trackers`, after the file).
+the same row in the configured experiment trackers (`services.core.observability.trackers`, after the file).
 After a crash, steps the journal committed but whose row was never written get a row saying so."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.core.bus import Bus, BusUnavailable
-from services.core.events import AppendOnlyFile, EventLog
-from services.core.journal import Journal
-from services.core.metrics import ServiceMetrics
-from services.core.trackers import Trackers
+from services.core.journal.journal import Journal
+from services.core.observability.events import AppendOnlyFile, EventLog
+from services.core.observability.metrics import ServiceMetrics
+from services.core.observability.trackers import Trackers
+from services.core.transport.bus import Bus, BusUnavailable
 from services.rl import batch as rb
 
 

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from services.controller.admission import BadPrompts
 from services.core import ids
-from services.core.bus import BusUnavailable
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.wire import parse_message, score_from_proto, validate_rollout_batch
+from services.core.transport.bus import BusUnavailable
+from services.rl.wire import parse_message, score_from_proto, validate_rollout_batch
 
 if TYPE_CHECKING:
     from services.controller.server import Controller

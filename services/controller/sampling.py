@@ -18,7 +18,7 @@ from services.rl.dynamic_sampling import FILTERED, SURPLUS, filtered_reason, jud
 
 if TYPE_CHECKING:
     from services.controller.server import Controller
-    from services.core.journal import Journal
+    from services.core.journal.journal import Journal
 
 log = logging.getLogger("rlfleet.controller")
 

@@ -31,18 +31,22 @@ from services.controller.sampling import FleetSampling
 from services.controller.trainables import Trainables
 from services.controller.unscored import end_unscored
 from services.core import ids
-from services.core.bus import Bus, BusUnavailable, Message, bus_options
-from services.core.config import RunConfig
-from services.core.events import EventLog
+from services.core.config.run import RunConfig
 from services.core.faults import fault_point
-from services.core.limits import Limits
+from services.core.journal.run_binding import open_run_journal
+from services.core.observability.events import EventLog
+from services.core.observability.trackers import Trackers
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.retry import Policy
-from services.core.run_binding import open_run_journal
-from services.core.runtime import ServiceRuntime
-from services.core.trackers import Trackers
-from services.core.wire import (
+from services.core.serving.runtime import ServiceRuntime
+from services.core.serving.worker import Rejected, StreamWorker
+from services.core.transport.bus import Bus, BusUnavailable, Message, bus_options
+from services.core.transport.limits import Limits
+from services.models.io.loading import load_tokenizer
+from services.rl import batch as rb
+from services.rl.pipeline import batch_stats, compute_advantages
+from services.rl.wire import (
     check_schema_version,
     message,
     parse_message,
@@ -51,10 +55,6 @@ from services.core.wire import (
     train_batch_to_proto,
     validate_rollout_batch,
 )
-from services.core.worker import Rejected, StreamWorker
-from services.models.loading import load_tokenizer
-from services.rl import batch as rb
-from services.rl.pipeline import batch_stats, compute_advantages
 from services.tasks import load_task
 
 log = logging.getLogger("rlfleet.controller")

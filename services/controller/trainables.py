@@ -16,14 +16,14 @@ from typing import Any
 
 import grpc
 
-from services.core.config import RunConfig
-from services.core.events import EventLog
-from services.core.journal import Journal
+from services.core.config.run import RunConfig
+from services.core.journal.journal import Journal
+from services.core.observability.events import EventLog
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
 from services.core.retry import Policy, grpc_codes
-from services.core.runtime import make_channel, rpc
-from services.core.wire import message, parse_message
+from services.core.serving.runtime import make_channel, rpc
+from services.rl.wire import message, parse_message
 
 log = logging.getLogger("rlfleet.controller")
 

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from services.core.task_records import TaskRecord
+from services.core.journal.task_records import TaskRecord
 
 if TYPE_CHECKING:
     from services.controller.server import Controller

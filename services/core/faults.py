@@ -8,7 +8,7 @@ other loop of the service keeps running into the gap) until a test creates
 per process; a replacement that gets the same environment passes it (the marker is there).
 
 A fault that damages rather than pauses lives where the damage is done: `RLFLEET_FAULT_WEIGHTS`
-(`services.models.weight_check.corrupt`) makes an engine process load one tensor of a weight sync
+(`services.models.weights.check.corrupt`) makes an engine process load one tensor of a weight sync
 one ulp off, so that tests see the sync's checksum check stop it.
 """
 

@@ -8,20 +8,20 @@ from typing import Any
 import grpc
 import torch
 
-from services.core.config import RunConfig
+from services.core.config.run import RunConfig
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
-from services.core.scoring import ScoringService
-from services.core.servicer import ServiceCalls
-from services.core.trainable import Trainable
-from services.core.wire import TrainRequest
 from services.dist.build import build_model, build_trainer
 from services.dist.group import RankGauges, RankGroup
 from services.dist.nodes import world_size
 from services.dist.protocol import Op, RankError
-from services.models.critic import ValueModel
+from services.models.nets.critic import ValueModel
 from services.rl.batch import Rollout
 from services.rl.trainer import ValueTrainer
+from services.rl.wire import TrainRequest
+from services.workers.scoring import ScoringService
+from services.workers.servicer import ServiceCalls
+from services.workers.trainable import Trainable
 
 
 class Critic:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from torch import nn
 
-from services.core.config import RunConfig, ServiceName
-from services.models.critic import ValueModel
-from services.models.lora import load_policy
-from services.models.roles import critic_path
+from services.core.config.run import RunConfig, ServiceName
+from services.models.nets.critic import ValueModel
+from services.models.nets.lora import load_policy
+from services.models.roles.resolve import critic_path
 from services.dist.nodes import world_size
 from services.rl.trainer import PolicyTrainer, ValueTrainer
 

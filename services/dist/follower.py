@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from services.core.config import RunConfig
+from services.core.config.run import RunConfig
 from services.dist.protocol import Op, RankError, receive
 
 log = logging.getLogger("rlfleet.dist.follower")

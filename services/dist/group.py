@@ -26,13 +26,13 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Gauge
 from safetensors import safe_open
 
-from services.core.config import RunConfig, ServiceName
+from services.core.config.run import RunConfig, ServiceName
 from services.dist.follower import spawn
 from services.dist.nodes import START_KEY, Layout, NodeWatch, layout_for, master_store, publish_layout
 from services.dist.ops import RankTrainer, check_names
 from services.dist.protocol import Command, Op, RankError, announce
-from services.models.checkpoint import CheckpointMeta
-from services.models.checkpoint_layout import DCP_DIR, MODEL_FILE
+from services.models.checkpoints.checkpoint import CheckpointMeta
+from services.models.checkpoints.layout import DCP_DIR, MODEL_FILE
 from services.models.engine import WeightSyncError
 
 log = logging.getLogger("rlfleet.dist")
@@ -148,7 +148,7 @@ class RankGroup:
         """The whole model's state dict on rank 0's CPU, gathered from every rank's shards."""
         return dict(self.call(Op.FULL_STATE))
 
-    # -- checkpoints and weights (services.core.trainable.Ranks) ---------------------------------
+    # -- checkpoints and weights (services.workers.trainable.Ranks) ---------------------------------
     def write(self, tmp: Path) -> None:
         self.call(Op.SAVE, str(tmp / DCP_DIR))
 

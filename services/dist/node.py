@@ -28,7 +28,7 @@ import time
 from datetime import timedelta
 from typing import Any, NoReturn
 
-from services.core.logs import setup_logging
+from services.core.observability.logs import setup_logging
 from services.core.retry import Policy
 
 log = logging.getLogger("rlfleet.dist.node")

@@ -22,8 +22,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.core.config import ConfigError, RunConfig, ServiceName
-from services.core.ports import c10d_store
+from services.core.config.run import ConfigError, RunConfig, ServiceName
+from services.core.host.ports import c10d_store
 
 log = logging.getLogger("rlfleet.dist")
 

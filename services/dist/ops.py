@@ -20,12 +20,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from services.core.config import RunConfig, ServiceName
+from services.core.config.run import RunConfig, ServiceName
 from services.dist.build import Trainer, build_model, build_trainer, rank_device
 from services.dist.protocol import Command, Op
 from services.dist.shard import rank_split, reduce_stats, shard_model
-from services.models.checkpoint_dcp import load_dcp, save_dcp
-from services.models.critic import ValueModel
+from services.models.checkpoints.dcp import load_dcp, save_dcp
+from services.models.nets.critic import ValueModel
 from services.rl.batch import Rollout
 from services.rl.trainer import PolicyTrainer
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from services.core.config import AlgoSection
+from services.core.config.run import AlgoSection
 from services.rl.batch import Rollout
 from services.rl.micro import MicroBatch
 from services.rl.trainer import SplitFn, is_max, micro_plan

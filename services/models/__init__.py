@@ -1,12 +1,11 @@
-"""Models of a run and the generation engines. Dependencies point down this list, never up:
+"""Models of a run and the generation engines. The root modules are the contract every
+sub-package shares: `engine` (the generation-engine interface, its sampling parameters and errors)
+and `errors`. Sub-packages depend downward only, in this order: `io` (local model directories:
+loading, atomic writes, durable steps, GGUF, a light text decoder), `weights` (strict weight
+sync, its checksums and its transfer to an engine process), `nets` (per-token log-probs, the value
+model, LoRA), `engines` (the transformers and vLLM backends, engines in a child process, replicas,
+the factory), `roles` (the models of a run's roles, tiny models and their tokenizers) and
+`checkpoints` (crash-safe checkpoints and export).
 
-- `roles` (the models of a run's roles, prepared once) -> `paths` (resolve a role's model directory,
-  building a tiny one) -> `tiny`, `reward_model` (tiny-model builders) -> `loading` (load local model
-  directories), `tokenizer`, `atomic` (publish a built directory atomically).
-- `factory.make_engine` (in process, in a child process, or M replicas) -> `replicas` (`ReplicaEngine`:
-  M engines as one) -> `engine_proc` (`ProcessEngine`) ->
-  `backends` (the in-process backends by name) -> `hf_engine`, `vllm_engine` (+ `vllm_adapter`) ->
-  `gate` (pause/abort/in-flight), `weights` (strict weight sync) -> `engine` (the interface).
-- `checkpoint` (crash-safe save/load/prune) -> `checkpoint_optim`, `checkpoint_layout` -> `durable`.
-- `critic` (ValueModel), `logprobs` (per-token response log-probs).
+May import: services.core, services.rl
 """

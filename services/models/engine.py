@@ -1,5 +1,5 @@
 """The generation-engine interface the actor and the local loop use (build one with
-`services.models.factory.make_engine`).
+`services.models.engines.factory.make_engine`).
 
 Contract every backend keeps (pinned by tests/unit/test_engine_contract.py):
 
@@ -16,7 +16,7 @@ Contract every backend keeps (pinned by tests/unit/test_engine_contract.py):
 - Sampling is seeded per row: prompt i of a call draws from its own stream, seeded by
   (`params.seed`, `params.first_row + i`), so the same prompts, params and weights give the same
   completions in every process, however the prompts are batched or spread over engine replicas
-  (`services.models.replicas` gives each replica its slice with `first_row` set to where it starts).
+  (`services.models.engines.replicas` gives each replica its slice with `first_row` set to where it starts).
 - `pause()` stops new `generate` calls from starting (they block until `resume()`) and returns once
   the calls already in flight have finished. `abort()` makes the calls in flight at that moment
   return early, keeping what they generated, with finish_reason "abort" on unfinished sequences;
@@ -135,7 +135,7 @@ class GenerationEngine(Protocol):
 class StreamingWeights(Protocol):
     """An engine that loads one sync bucket by bucket (`update_weights_stream`): it checks the
     version and every name and shape of the sync (`shapes`) before it takes the first bucket, so a
-    broadcast sync (`services.models.weight_transfer`) never needs a second copy of the weights. A
+    broadcast sync (`services.models.weights.transfer`) never needs a second copy of the weights. A
     failure after the first bucket raises `WeightsTorn`."""
 
     def update_weights_stream(self, shapes: Mapping[str, tuple[int, ...]],

@@ -7,7 +7,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from services.models.logprobs import COMPILE_BACKEND, CompileCount, compile_decoder, response_logprobs, wants_compile
+from services.models.nets.logprobs import (
+    COMPILE_BACKEND,
+    CompileCount,
+    compile_decoder,
+    response_logprobs,
+    wants_compile,
+)
 from services.rl.batch import Rollout
 from services.rl.micro import score_rows
 from services.rl.packing import packed_logprobs

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.core.config import RunConfig
-from services.core.scoring import ScoringService
-from services.models.loading import load_causal_lm
-from services.models.logprobs import warm_up_compiled
+from services.core.config.run import RunConfig
+from services.models.io.loading import load_causal_lm
+from services.models.nets.logprobs import warm_up_compiled
 from services.reference.scorer import ReferenceScorer
+from services.workers.scoring import ScoringService
 
 
 def serve(cfg: RunConfig) -> None:

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from services.core.ids import parse_task_id
-from services.core.wire import RolloutArrays, StageScores
 from services.reward.worker import RewardStopped, RewardWorker
+from services.rl.wire import RolloutArrays, StageScores
 from services.tasks.base import Prompt, Task, TaskError
 from services.tasks.reward_rows import RowScores, score_rows
 from services.tasks.rewards import RewardError, RewardResult, RewardSet, make_component
 
 if TYPE_CHECKING:  # torch only with a reward model: a reward function scores RolloutArrays (numpy)
-    from services.core.config import RunConfig
+    from services.core.config.run import RunConfig
     from services.rl.batch import Rollout
 
 log = logging.getLogger("rlfleet.reward")
@@ -71,8 +71,8 @@ class RewardScorer:
         self.last_components: dict[str, float] = {}
         self.model = None
         if model_path is not None:
-            from services.core.entry import quiet_torch
-            from services.models.reward_model import load_reward_model
+            from services.core.serving.entry import quiet_torch
+            from services.models.roles.reward_model import load_reward_model
 
             quiet_torch()  # torch loads here, not at the service's start
 

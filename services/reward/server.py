@@ -2,7 +2,7 @@
 override, or a reward model) and publishes the sequence rewards, naming the rows it could not score.
 
 Only a reward model needs torch and transformers; a reward function decodes completions with the
-`tokenizers` library alone (services.models.text_decoder) and scores numpy arrays, so the service
+`tokenizers` library alone (services.models.io.text_decoder) and scores numpy arrays, so the service
 imports neither and starts in about a second."""
 
 from __future__ import annotations
@@ -10,21 +10,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.core.config import RunConfig
-from services.core.scoring import ScoringService
+from services.core.config.run import RunConfig
 from services.reward.scorer import RewardScorer, reward_model_path
 from services.reward.worker import RewardWorker
 from services.tasks import load_task
 from services.tasks.rewards import configured_reward
+from services.workers.scoring import ScoringService
 
 
 def _tokenizer(path: Path) -> Any:
-    from services.models.text_decoder import TextDecoder
+    from services.models.io.text_decoder import TextDecoder
 
     decoder = TextDecoder.load(path)
     if decoder is not None:
         return decoder
-    from services.models.loading import load_tokenizer  # a tokenizer without tokenizer.json: transformers'
+    from services.models.io.loading import load_tokenizer  # a tokenizer without tokenizer.json: transformers'
 
     return load_tokenizer(path)
 

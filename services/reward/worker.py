@@ -33,7 +33,7 @@ from services.tasks.prompt import Prompt
 from services.tasks.reward_rows import RowScores
 
 if TYPE_CHECKING:
-    from services.core.config import TaskSection
+    from services.core.config.run import TaskSection
 
 log = logging.getLogger("rlfleet.reward.worker")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from services.core.config_base import RunCannotContinue
+from services.core.config.base import RunCannotContinue
 from services.rl.batch import Rollout
 
 

@@ -15,7 +15,7 @@ from typing import Literal, ParamSpec, get_args
 import torch
 from torch import Tensor
 
-from services.core.config_algo import BehaviourCorrection
+from services.core.config.algo import BehaviourCorrection
 from services.rl.kl import K3_LOG_RATIO_CLAMP, KL_VALUE_CLAMP, KLKind, kl_estimate
 from services.rl.masked import acc_dtype, as_bool_mask, masked_mean, masked_sum
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.models.critic import ValueModel
-from services.models.logprobs import accepts_kwarg, token_logprobs
+from services.models.nets.critic import ValueModel
+from services.models.nets.logprobs import accepts_kwarg, token_logprobs
 from services.rl.batch import Rollout
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.core.config import AlgoSection, BehaviourLogprobs
+from services.core.config.run import AlgoSection, BehaviourLogprobs
 from services.rl.advantages import (
     gae,
     group_mean_baseline,

@@ -11,10 +11,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from services.core.config import AlgoSection, BehaviourLogprobs
-from services.models.critic import ValueModel
-from services.models.logprobs import COMPILE_BACKEND, CompileCount, compile_decoder, response_logprobs, wants_compile
-from services.models.lora import is_lora
+from services.core.config.run import AlgoSection, BehaviourLogprobs
+from services.models.nets.critic import ValueModel
+from services.models.nets.logprobs import (
+    COMPILE_BACKEND,
+    CompileCount,
+    compile_decoder,
+    response_logprobs,
+    wants_compile,
+)
+from services.models.nets.lora import is_lora
 from services.rl.batch import Rollout
 from services.rl.losses import aggregate, kl_loss, policy_loss_terms, value_loss_terms
 from services.rl.micro import MicroBatch, part_of, plan, score_rows

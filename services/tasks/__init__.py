@@ -6,6 +6,8 @@ dataset (`task.source`: jsonl, json, parquet, csv or hf) or a reasoning-gym gene
 ("module:function" or "path/to/file.py:function"), `task.reward_path`, or several weighted
 `task.rewards` (see services.tasks.rewards). Prompts become token ids through
 `services.tasks.chat.encode_prompt`, which applies the tokenizer's chat template.
+
+May import: services.core
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from services.tasks.sentiment import SentimentTask
 from services.tasks.synthetic import SyntheticTask
 
 if TYPE_CHECKING:
-    from services.core.config import TaskSection
+    from services.core.config.run import TaskSection
 
 log = logging.getLogger(__name__)
 

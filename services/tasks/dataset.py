@@ -28,7 +28,7 @@ from services.tasks.base import BaseTask, Prompt, PromptError, TaskError, Tokeni
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from services.core.config import TaskSection
+    from services.core.config.run import TaskSection
 
 log = logging.getLogger("rlfleet.tasks.dataset")
 

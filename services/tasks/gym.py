@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from services.tasks.base import BaseTask, Prompt, TaskError, TokenizerKind
 
 if TYPE_CHECKING:
-    from services.core.config import TaskSection
+    from services.core.config.run import TaskSection
 
 log = logging.getLogger("rlfleet.tasks.gym")
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from services.tasks.prompt import Prompt, TaskError
 
 if TYPE_CHECKING:
-    from services.core.config import TaskSection
+    from services.core.config.run import TaskSection
     from services.tasks.base import Task
 
 log = logging.getLogger("rlfleet.rewards")

@@ -98,7 +98,7 @@ def test_a_run_list_names_configurations_and_seeds() -> None:
 @pytest.mark.parametrize("task", ["basic_arithmetic", "chain_sum"])
 def test_the_fleet_phase_runs_the_example_with_gpu_settings_that_validate(task: str,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.core.config import RunConfig
+    from services.core.config.run import RunConfig
 
     monkeypatch.setitem(W, "task", task)
     cfg = RunConfig.model_validate(run_config(Path("/models/smollm2"), Path("/runs/learn")))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from services.core.config import parse_config
+from services.core.config.run import parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -376,7 +376,7 @@ def test_the_start_up_timeline_reads_each_services_json_log(tmp_path: Path) -> N
     import logging
 
     from bench.vs_trl import engine_start_s, startup_timeline
-    from services.core.logs import JsonFormatter
+    from services.core.observability.logs import JsonFormatter
 
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -437,10 +437,11 @@ def test_the_compiles_of_a_step_and_their_guard_failures_are_read_from_the_servi
     import logging
 
     from bench.vs_trl import step_compiles
-    from services.core.logs import JsonFormatter
+    from services.core.observability.logs import JsonFormatter
 
     (tmp_path / "logs").mkdir()
-    rec = logging.LogRecord("services.models.logprobs", logging.INFO, __file__, 0, "compiled during a step", None, None)
+    rec = logging.LogRecord("services.models.nets.logprobs", logging.INFO, __file__, 0, "compiled during a step",
+                            None, None)
     rec.__dict__.update(role="actor", graphs=1, seconds=8.6,
                         guard_failures=["0/3: tensor 'args[0]' size mismatch at index 1. expected 320, actual 318"])
     (tmp_path / "logs" / "actor.log").write_text(

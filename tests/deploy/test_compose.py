@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.core.redis_proc import free_port
+from services.core.host.redis_proc import free_port
 from services.plan import plan_main
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]

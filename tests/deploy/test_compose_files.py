@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.core.config import SERVICE_NAMES, load_config, parse_config
-from services.core.metrics import METRIC_NAMES
+from services.core.config.run import SERVICE_NAMES, load_config, parse_config
+from services.core.observability.metrics import METRIC_NAMES
 from services.prepare import prepare, prometheus_targets
 
 ROOT = Path(__file__).resolve().parents[2]

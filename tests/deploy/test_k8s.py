@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.core.config import SERVICE_NAMES, parse_config
+from services.core.config.run import SERVICE_NAMES, parse_config
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 # The schema version manifests are checked against: the oldest Kubernetes release still maintained

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import yaml
 
-from services.core.config import parse_config
+from services.core.config.run import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MULTI = ROOT / "deploy" / "k8s" / "multihost"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from services.core.journal import Journal
-from services.models.loading import load_tokenizer
+from services.core.journal.journal import Journal
+from services.models.io.loading import load_tokenizer
 from services.report import read_metrics
 from tests.byo_helpers import (
     RLFLEET,

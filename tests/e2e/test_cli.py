@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.core.journal import Journal
+from services.core.journal.journal import Journal
 from tests.fleet_helpers import commit_steps, processes_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 
 from services.audit import audit
 from services.local import run_local
-from services.models.export import load_checkpointed_policy
+from services.models.checkpoints.export import load_checkpointed_policy
 from services.report import read_metrics
 from tests.fleet_helpers import tiny_config
 

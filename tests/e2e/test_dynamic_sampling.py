@@ -19,7 +19,7 @@ import yaml
 
 from services.audit import audit
 from services.core.faults import ENV, fault_dir
-from services.core.journal import Journal, TaskState
+from services.core.journal.journal import Journal, TaskState
 from services.fleet import Fleet
 from services.local import run_local
 from services.report import read_metrics

@@ -14,9 +14,9 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.cli import main
-from services.models.checkpoint import load_checkpoint
-from services.models.loading import load_causal_lm, load_tokenizer
-from services.models.logprobs import response_logprobs
+from services.models.checkpoints.checkpoint import load_checkpoint
+from services.models.io.loading import load_causal_lm, load_tokenizer
+from services.models.nets.logprobs import response_logprobs
 from services.tasks import make_task
 from tests.fleet_helpers import EXAMPLE, tiny_config
 

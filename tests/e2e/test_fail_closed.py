@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.core.config import RunConfig
+from services.core.config.run import RunConfig
 from services.report import read_metrics
 from tests.fleet_helpers import tiny_config
 

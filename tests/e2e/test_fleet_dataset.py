@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.audit import audit
-from services.core.journal import Journal
+from services.core.journal.journal import Journal
 from services.report import read_metrics
 from tests.fleet_helpers import tiny_config
 

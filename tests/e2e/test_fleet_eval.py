@@ -17,8 +17,8 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.models.checkpoint import load_checkpoint
-from services.models.loading import load_causal_lm
+from services.models.checkpoints.checkpoint import load_checkpoint
+from services.models.io.loading import load_causal_lm
 from services.report import read_metrics
 from services.tasks.evaluation import read_samples
 from tests.fleet_helpers import EXAMPLE

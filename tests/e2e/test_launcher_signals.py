@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.core import lifeline
+from services.core.host import lifeline
 from tests.e2e.test_cli import RLFLEET, ROOT, assert_one_line_error, rlfleet, write_config
 from tests.fleet_helpers import processes_of
 
@@ -80,7 +80,7 @@ def test_a_stray_process_of_an_earlier_launcher_is_named_and_nothing_starts(tmp_
     stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=run_dir)
     try:
         # Recorded by a process that is gone since, as a launcher killed by SIGKILL leaves it.
-        code = ("import sys; from pathlib import Path; from services.core import lifeline;"
+        code = ("import sys; from pathlib import Path; from services.core.host import lifeline;"
                 " lifeline.record(Path(sys.argv[1]), 'reward', int(sys.argv[2]))")
         subprocess.run([sys.executable, "-c", code, str(run_dir), str(stray.pid)], cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True, timeout=60)

@@ -15,11 +15,11 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from services.core.config import load_config
-from services.models.checkpoint import load_checkpoint
-from services.models.loading import load_causal_lm, load_tokenizer
-from services.models.logprobs import response_logprobs
-from services.models.lora import is_lora, load_policy
+from services.core.config.run import load_config
+from services.models.checkpoints.checkpoint import load_checkpoint
+from services.models.io.loading import load_causal_lm, load_tokenizer
+from services.models.nets.logprobs import response_logprobs
+from services.models.nets.lora import is_lora, load_policy
 from services.report import read_metrics
 from tests.e2e.test_export import _inputs
 

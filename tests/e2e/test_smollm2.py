@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.core.config import load_config
-from services.models.loading import load_tokenizer
+from services.core.config.run import load_config
+from services.models.io.loading import load_tokenizer
 from services.report import read_metrics
 from services.tasks import load_task
 from services.tasks.chat import encode_prompt

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.core.config import parse_config
-from services.core.trackers import Trackers, read_state, row_metrics
+from services.core.config.run import parse_config
+from services.core.observability.trackers import Trackers, read_state, row_metrics
 from services.local import run_local
 from services.report import read_metrics
 from tests.fleet_helpers import EXAMPLE, tiny_config

@@ -23,9 +23,9 @@ import redis
 import yaml
 
 from services.audit import audit
-from services.core.config import RunConfig
+from services.core.config.run import RunConfig
+from services.core.host.redis_proc import start_redis
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.redis_proc import start_redis
 from services.fleet import Fleet
 from services.report import read_metrics
 from services.swap import swap
@@ -343,7 +343,7 @@ def test_bad_messages_are_dead_lettered_with_named_reasons(tmp_path: Path, tiny_
 
 
 def _journal_tasks(cfg: RunConfig) -> list[Any]:
-    from services.core.journal import Journal
+    from services.core.journal.journal import Journal
 
     with Journal.open(cfg.journal_dir, readonly=True) as j:
         return list(j.iter_tasks())

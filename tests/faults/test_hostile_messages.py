@@ -22,13 +22,13 @@ import redis
 import torch
 
 from services.audit import audit
-from services.core.config import RunConfig
+from services.core.config.run import RunConfig
+from services.core.host.redis_proc import RedisProcess
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.redis_proc import RedisProcess
-from services.core.wire import message, rollout_to_proto, score_to_proto
 from services.fleet import Fleet
 from services.report import read_metrics
 from services.rl.batch import Rollout
+from services.rl.wire import message, rollout_to_proto, score_to_proto
 from tests.fleet_helpers import tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -19,8 +19,8 @@ import httpx
 import pytest
 import redis
 
-from services.core.config import RunConfig
-from services.core.redis_proc import start_redis
+from services.core.config.run import RunConfig
+from services.core.host.redis_proc import start_redis
 from tests.faults.test_faults import Run, fault_config
 
 pytestmark = pytest.mark.slow

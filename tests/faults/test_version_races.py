@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from services.audit import audit
-from services.core.config import RunConfig
+from services.core.config.run import RunConfig
 from services.core.faults import ENV, fault_dir
 from services.fleet import Fleet, read_service_files
 from services.report import read_metrics
@@ -156,7 +156,7 @@ def test_a_controller_drained_mid_step_stops_its_loops_before_closing_the_journa
     log = ctl.log_path.read_text()
     for bad in ("never retrieved", "is closed", "Traceback"):
         assert bad not in log, f"controller log has {bad!r}:\n{log[-3000:]}"
-    from services.core.journal import Journal
+    from services.core.journal.journal import Journal
 
     with Journal.open(cfg.journal_dir, readonly=True) as j:
         assert j.step == 2, "the step in progress at the drain was committed, not dropped"

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from services.core.bus import Bus, BusError, BusUnavailable, Message, MessageTooLarge, StreamKeys
-from services.core.redis_proc import RedisProcess, free_port, start_redis
+from services.core.host.redis_proc import RedisProcess, free_port, start_redis
+from services.core.transport.bus import Bus, BusError, BusUnavailable, Message, MessageTooLarge, StreamKeys
 
 T = TypeVar("T")
 RUN = "bustest"
@@ -348,7 +348,7 @@ def test_connect_waits_for_a_redis_that_starts_late(tmp_path: Path, caplog: pyte
             await bus.close()
 
     try:
-        with caplog.at_level(logging.WARNING, logger="services.core.bus"):
+        with caplog.at_level(logging.WARNING, logger="services.core.transport.bus"):
             arun(main(), timeout_s=40.0)
     finally:
         timer.join()

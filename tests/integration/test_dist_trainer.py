@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.core.config import RunConfig, ServiceName
+from services.core.config.run import RunConfig, ServiceName
 from services.dist.build import Trainer, build_model, build_trainer
 from services.dist.group import RankGroup
 from services.dist.protocol import Op
-from services.models.checkpoint import load_latest, save_checkpoint
-from services.models.critic import ValueModel
+from services.models.checkpoints.checkpoint import load_latest, save_checkpoint
+from services.models.nets.critic import ValueModel
 from services.rl.batch import Rollout
 from services.rl.trainer import PolicyTrainer
 from tests.fleet_helpers import tiny_config

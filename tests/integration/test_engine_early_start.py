@@ -1,8 +1,8 @@
-"""The actor's engine process starts before the actor imports torch (`services.models.engine_boot`):
+"""The actor's engine process starts before the actor imports torch (`services.models.engines.boot`):
 on an H200 the engine's imports and the actor's ran one after the other, ~30 s of the time to first
 step. Real processes: a fresh interpreter spawns the real transformers engine in a child, then builds
 the engine the way the actor does and must be handed that very child. That child also dies with the
-actor that spawned it, even one killed while its engine still starts (`services.models.engine_child`)."""
+actor that spawned it, even one killed while its engine still starts (`services.models.engines.child`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import IO, Any
 import pytest
 import yaml
 
-from services.core.ports import pid_alive
+from services.core.host.ports import pid_alive
 from tests.fleet_helpers import EXAMPLE
 
 pytestmark = pytest.mark.timeout(240)
@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json, sys
 from pathlib import Path
-from services.core.config import load_config
-from services.models import engine_boot
+from services.core.config.run import load_config
+from services.models.engines import boot as engine_boot
 cfg = load_config(sys.argv[1])
 engine_boot.start_early(cfg)
 early = engine_boot._started
@@ -41,7 +41,7 @@ torch_at_spawn = "torch" in sys.modules
 if len(sys.argv) > 2:  # the actor asks for another engine than the one started early
     cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"micro_batch": 3})})
 from services.models.engine import SamplingParams
-from services.models.factory import make_engine
+from services.models.engines.factory import make_engine
 eng = make_engine(cfg.generation.engine, Path(cfg.models.policy.path),
                   dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
                   **cfg.generation.engine_kwargs(cfg.run_dir))
@@ -100,8 +100,8 @@ def test_only_an_engine_that_takes_its_weights_by_ipc_starts_early(
         tmp_path: Path, random_model: Path, transfer: str, early: bool) -> None:
     # The same rule make_engine applies (transfer_route.route): a collective transfer needs torch in the
     # actor before its engine starts.
-    from services.core.config import load_config
-    from services.models.engine_boot import child_options
+    from services.core.config.run import load_config
+    from services.models.engines.boot import child_options
 
     cfg = load_config(_config(tmp_path, random_model, process=True, weight_transfer=transfer))
     assert (child_options(cfg) is not None) is early
@@ -113,8 +113,8 @@ def test_the_early_child_gets_every_engine_option_make_engine_would_pass_it() ->
     # child would then never match, and every start would spawn a second one.
     import inspect
 
-    from services.models.engine_boot import _FACTORY_ARGS
-    from services.models.factory import make_engine
+    from services.models.engines.boot import _FACTORY_ARGS
+    from services.models.engines.factory import make_engine
 
     own = set(inspect.signature(make_engine).parameters) - {"name", "model_path", "dtype", "device", "micro_batch",
                                                              "options"}
@@ -126,15 +126,15 @@ def test_the_early_child_gets_every_engine_option_make_engine_would_pass_it() ->
 ACTOR = """
 import json, sys, time
 from pathlib import Path
-from services.core.config import load_config
-from services.core.logs import setup_logging
-from services.models import engine_boot
+from services.core.config.run import load_config
+from services.core.observability.logs import setup_logging
+from services.models.engines import boot as engine_boot
 setup_logging("actor")
 cfg = load_config(sys.argv[1])
 engine_boot.start_early(cfg)
 print(json.dumps({"engine_pid": engine_boot._started.proc.pid}), flush=True)
 if sys.argv[2] == "ready":
-    from services.models.factory import make_engine
+    from services.models.engines.factory import make_engine
     eng = make_engine(cfg.generation.engine, Path(cfg.models.policy.path),
                       dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
                       **cfg.generation.engine_kwargs(cfg.run_dir))
@@ -212,7 +212,7 @@ def test_an_engine_process_exits_when_its_actor_is_killed(tmp_path: Path, random
 # An engine process that started processes of its own, as vLLM starts its EngineCore.
 ENGINE_WITH_CHILDREN = """
 import json, multiprocessing, subprocess, sys, time
-from services.models import engine_child
+from services.models.engines import child as engine_child
 
 def engine(out):
     engine_child.watch_parent()

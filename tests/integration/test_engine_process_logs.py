@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.core.logs import setup_logging
-from services.models.engine_proc import ProcessEngine
+from services.core.observability.logs import setup_logging
+from services.models.engines.proc import ProcessEngine
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(180)]
 

@@ -18,11 +18,11 @@ import httpx
 import pytest
 import torch
 
-from services.core.redis_proc import RedisProcess
-from services.models.checkpoint import save_checkpoint
+from services.core.host.redis_proc import RedisProcess
+from services.models.checkpoints.checkpoint import save_checkpoint
 from services.models.engine import SamplingParams
-from services.models.factory import make_engine
-from services.models.loading import load_tokenizer
+from services.models.engines.factory import make_engine
+from services.models.io.loading import load_tokenizer
 from services.rl.trainer import PolicyTrainer
 from tests.fleet_helpers import tiny_config
 from tests.integration.test_update_weights import ActorProc, _logprobs, _perturbed

@@ -15,15 +15,15 @@ import grpc
 import pytest
 
 from services.controller.evaluation import Evaluation
-from services.core.metrics import ServiceMetrics
+from services.core.host.redis_proc import start_redis
+from services.core.observability.metrics import ServiceMetrics
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
-from services.core.redis_proc import start_redis
-from services.core.rpc import make_channel
-from services.core.wire import message
+from services.core.transport.rpc import make_channel
 from services.models.engine import SamplingParams
-from services.models.factory import make_engine
-from services.models.loading import load_tokenizer
+from services.models.engines.factory import make_engine
+from services.models.io.loading import load_tokenizer
+from services.rl.wire import message
 from services.tasks import load_task
 from services.tasks.evaluation import read_samples
 from tests.fleet_helpers import tiny_config

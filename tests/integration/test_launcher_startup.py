@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PREPARE = """
 import json, sys
-from services.core.config import parse_config
+from services.core.config.run import parse_config
 from services.fleet import Fleet
 fleet = Fleet(parse_config(json.loads(sys.argv[1]), source="test"))
 try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.core.config import TaskSection
+from services.core.config.run import TaskSection
 from services.reward.worker import RewardStopped, RewardWorker
 from services.tasks import load_task
 
@@ -65,7 +65,7 @@ def test_a_reward_that_kills_its_process_is_reward_crashed(tmp_path: Path) -> No
 
 def test_the_reward_process_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
     code = ("import sys, time\n"
-            "from services.core.config import TaskSection\n"
+            "from services.core.config.run import TaskSection\n"
             "from services.reward.worker import RewardWorker\n"
             "from services.tasks import load_task\n"
             f"s = TaskSection(name='arithmetic', reward_fn={HANGS.reward_fn!r})\n"

@@ -24,10 +24,10 @@ from fastapi import Depends, FastAPI, Request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from services.core.auth import BodySizeLimitMiddleware, TokenAuthInterceptor, admin_guard
-from services.core.config import Endpoint
-from services.core.metrics import METRIC_NAMES
-from services.core.runtime import ServiceRuntime, make_channel, rpc
+from services.core.config.run import Endpoint
+from services.core.observability.metrics import METRIC_NAMES
+from services.core.serving.runtime import ServiceRuntime, make_channel, rpc
+from services.core.transport.auth import BodySizeLimitMiddleware, TokenAuthInterceptor, admin_guard
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-0123456789"
@@ -43,9 +43,9 @@ SERVICE_SCRIPT = textwrap.dedent(
 
     import grpc
 
-    from services.core.config import Endpoint
-    from services.core.logs import setup_logging
-    from services.core.runtime import ServiceRuntime
+    from services.core.config.run import Endpoint
+    from services.core.observability.logs import setup_logging
+    from services.core.serving.runtime import ServiceRuntime
 
     work, mode, max_msg, max_body = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     setup_logging("testsvc", "INFO")

@@ -18,15 +18,15 @@ import pytest
 import torch
 import yaml
 
-from services.core.config import RunConfig
+from services.core.config.run import RunConfig
+from services.core.host.redis_proc import RedisProcess
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
-from services.core.redis_proc import RedisProcess
-from services.core.wire import message, validate_rollout_batch
-from services.models.checkpoint import save_checkpoint
-from services.models.loading import load_causal_lm
-from services.models.logprobs import response_logprobs
+from services.models.checkpoints.checkpoint import save_checkpoint
+from services.models.io.loading import load_causal_lm
+from services.models.nets.logprobs import response_logprobs
 from services.rl.trainer import PolicyTrainer
+from services.rl.wire import message, validate_rollout_batch
 from tests.fleet_helpers import tiny_config
 
 pytestmark = pytest.mark.timeout(600)

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from services.core.config import ConfigError, parse_config
+from services.core.config.run import ConfigError, parse_config
 from services.models.engine import GenerationEngine, SamplingParams, WeightSyncError
-from services.models.engine_proc import EngineDied, ProcessEngine
-from services.models.factory import make_engine
-from services.models.replicas import ReplicaEngine, ReplicaSetBroken
-from services.models.weight_check import FAULT_ENV, WeightsMismatch
-from services.models.weight_transfer import Receiver, Sender, backend_for, plan, resolve
+from services.models.engines.factory import make_engine
+from services.models.engines.proc import EngineDied, ProcessEngine
+from services.models.engines.replicas import ReplicaEngine, ReplicaSetBroken
+from services.models.weights.check import FAULT_ENV, WeightsMismatch
+from services.models.weights.transfer import Receiver, Sender, backend_for, plan, resolve
 from tests.fleet_helpers import perturbed_state
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from services.core.bus import Bus, BusUnavailable, Message
-from services.core.metrics import ServiceMetrics
-from services.core.redis_proc import RedisProcess
-from services.core.worker import StreamWorker
+from services.core.host.redis_proc import RedisProcess
+from services.core.observability.metrics import ServiceMetrics
+from services.core.serving.worker import StreamWorker
+from services.core.transport.bus import Bus, BusUnavailable, Message
 
 
 def run_worker(rp: RedisProcess, payloads: list[bytes],

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from services.audit import EXIT_ERROR, EXIT_OK, EXIT_VIOLATION, AuditReport, audit, audit_main, stream_class
-from services.core.config import parse_config
-from services.core.events import EventLog
-from services.core.journal import Journal, TaskSpec
+from services.core.config.run import parse_config
+from services.core.journal.journal import Journal, TaskSpec
+from services.core.observability.events import EventLog
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS_PER_STEP = 2

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from services.core.config import AlgoSection, ConfigError, parse_config
+from services.core.config.run import AlgoSection, ConfigError, parse_config
 from services.models.engine import SamplingParams
-from services.models.logprobs import response_logprobs
-from services.models.vllm_adapter import sampling_kwargs
+from services.models.engines.vllm_adapter import sampling_kwargs
+from services.models.nets.logprobs import response_logprobs
 from services.rl.batch import Rollout
 from services.rl.pipeline import batch_stats, compute_advantages
 from services.rl.trainer import PolicyTrainer

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import data_plane as dp
-from services.core.redis_proc import redis_server_binary
+from services.core.host.redis_proc import redis_server_binary
 
 TINY_ARGS = ["--batches", "3", "--rounds", "2", "--in-flight", "2", "--seqs", "8", "--prompt-len", "8",
              "--response-len", "16", "--tiny-hops", "3", "--no-local"]

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import services.models.checkpoint as ckpt
-from services.models.checkpoint import (
+import services.models.checkpoints.checkpoint as ckpt
+from services.models.checkpoints.checkpoint import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointMismatch,
@@ -34,7 +34,7 @@ from services.models.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from services.models.critic import ValueModel
+from services.models.nets.critic import ValueModel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -254,7 +254,7 @@ SAVE_ZYGOTE = textwrap.dedent(
     from pathlib import Path
     import torch
     from torch import nn
-    from services.models.checkpoint import latest_meta, prune, save_checkpoint
+    from services.models.checkpoints.checkpoint import latest_meta, prune, save_checkpoint
     """
 ) + inspect.getsource(fill) + textwrap.dedent(
     """

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.core import codec
-from services.core.codec import DTYPES, WireError, tensor_from_proto, tensor_to_proto
 from services.core.pb import rlfleet_pb2 as pb
+from services.core.transport import codec
+from services.core.transport.codec import DTYPES, WireError, tensor_from_proto, tensor_to_proto
 
 MB = 1 << 20
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)

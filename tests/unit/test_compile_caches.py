@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.core.entry import compile_caches
+from services.core.serving.entry import compile_caches
 
 
 def _unset(monkeypatch: pytest.MonkeyPatch) -> None:

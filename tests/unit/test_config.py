@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from services.core.config import ConfigError, GenerationSection, load_config, parse_config
+from services.core.config.run import ConfigError, GenerationSection, load_config, parse_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

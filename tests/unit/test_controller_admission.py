@@ -12,10 +12,10 @@ import pytest
 
 from services.controller.admission import Admission
 from services.controller.durable import DurableJournal
-from services.core.events import EventLog, iter_events
-from services.core.journal import Journal
-from services.core.metrics import ServiceMetrics
-from services.models.loading import load_tokenizer
+from services.core.journal.journal import Journal
+from services.core.observability.events import EventLog, iter_events
+from services.core.observability.metrics import ServiceMetrics
+from services.models.io.loading import load_tokenizer
 from services.tasks import load_task
 from tests.fleet_helpers import tiny_config
 

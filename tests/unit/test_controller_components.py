@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from services.controller.components import ComponentMeans, reward_names
-from services.core.config import parse_config
-from services.core.wire import Scores
+from services.core.config.run import parse_config
+from services.rl.wire import Scores
 from services.tasks import load_task
 
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from services.controller.trainables import Trainables
-from services.core.events import EventLog, iter_events
-from services.core.journal import Journal
+from services.core.journal.journal import Journal
+from services.core.observability.events import EventLog, iter_events
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.pb import rlfleet_pb2_grpc as pb_grpc
-from services.core.trainable import Trainable
-from services.core.wire import message
+from services.rl.wire import message
+from services.workers.trainable import Trainable
 from tests.fleet_helpers import commit_steps, tiny_config
 
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from services.core.events import AppendOnlyFile, EventLog, iter_events
-from services.core.logs import setup_logging
-from services.models.checkpoint import CheckpointDiskFull, latest_meta, load_latest, save_checkpoint
+from services.core.observability.events import AppendOnlyFile, EventLog, iter_events
+from services.core.observability.logs import setup_logging
+from services.models.checkpoints.checkpoint import CheckpointDiskFull, latest_meta, load_latest, save_checkpoint
 
 
 @pytest.fixture

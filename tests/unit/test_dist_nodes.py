@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.core.config import RunConfig
+from services.core.config.run import RunConfig
 from services.dist import node
 from services.dist.nodes import (
     LAYOUT_KEY,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.core.config import AlgoSection, ConfigError, parse_config
+from services.core.config.run import AlgoSection, ConfigError, parse_config
 from services.dist.shard import rank_split
 from services.rl.batch import Rollout
 from services.rl.trainer import micro_plan

@@ -11,12 +11,12 @@ import torch
 
 from services.controller.assembler import StepAssembler
 from services.controller.sampling import check_bound
-from services.core.config import ConfigError, parse_config
+from services.core.config.run import ConfigError, parse_config
 from services.core.ids import task_id
-from services.core.journal import Journal, JournalError, TaskSpec, TaskState
-from services.core.wire import score_to_proto
+from services.core.journal.journal import Journal, JournalError, TaskSpec, TaskState
 from services.rl.batch import Rollout
 from services.rl.dynamic_sampling import DynamicSamplingExhausted, fill_step, filtered_reason, judge_groups
+from services.rl.wire import score_to_proto
 from tests.unit.test_audit import GROUP, Run
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.core.config import TinyModelSpec
+from services.core.config.run import TinyModelSpec
 from services.models.engine import (
     Completion,
     EngineError,
@@ -28,11 +28,11 @@ from services.models.engine import (
     WeightSyncError,
     completions_to_rollout,
 )
-from services.models.factory import available_engines, make_engine
-from services.models.loading import load_causal_lm, load_tokenizer
-from services.models.logprobs import response_logprobs
-from services.models.tiny import build_tiny_model
-from services.models.tokenizer import encode_prompt
+from services.models.engines.factory import available_engines, make_engine
+from services.models.io.loading import load_causal_lm, load_tokenizer
+from services.models.nets.logprobs import response_logprobs
+from services.models.roles.tiny import build_tiny_model
+from services.models.roles.tokenizer import encode_prompt
 from services.tasks import make_task
 
 BACKENDS = [
@@ -143,7 +143,7 @@ def test_seeded_generation_is_the_same_in_another_process(
         "import json, sys\n"
         "from pathlib import Path\n"
         "from services.models.engine import SamplingParams\n"
-        "from services.models.factory import make_engine\n"
+        "from services.models.engines.factory import make_engine\n"
         "name, path, prompts = json.loads(sys.argv[1])\n"
         "out = make_engine(name, Path(path)).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8,"
         " seed=7))\n"

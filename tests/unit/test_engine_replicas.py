@@ -11,12 +11,12 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from services.core.config import parse_config
+from services.core.config.run import parse_config
 from services.models.engine import Completion, EngineError, SamplingParams, WeightSyncError
-from services.models.factory import make_engine
-from services.models.hf_engine import TransformersEngine
-from services.models.replicas import ReplicaEngine, ReplicaSetBroken, replica_layout, spread
-from services.models.tokenizer import encode_prompt
+from services.models.engines.factory import make_engine
+from services.models.engines.hf_engine import TransformersEngine
+from services.models.engines.replicas import ReplicaEngine, ReplicaSetBroken, replica_layout, spread
+from services.models.roles.tokenizer import encode_prompt
 from services.tasks import make_task
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -29,7 +29,7 @@ def model(random_model: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts(model: Path) -> list[list[int]]:
-    from services.models.loading import load_tokenizer
+    from services.models.io.loading import load_tokenizer
 
     task, tok = make_task("arithmetic"), load_tokenizer(model)
     return [encode_prompt(tok, task.prompt(i).text)[: 2 + i % 4] for i in range(7)]
@@ -199,8 +199,8 @@ def test_replica_metrics_carry_the_nvml_index_of_each_replicas_gpu(monkeypatch: 
     from prometheus_client import generate_latest
 
     from services.actor.engine_metrics import ReplicaCollector, replica_rows
-    from services.core.gpu import GpuMonitor
-    from services.core.metrics import ServiceMetrics
+    from services.core.observability.gpu import GpuMonitor
+    from services.core.observability.metrics import ServiceMetrics
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
     reps = [_Tagged(), _Tagged()]
@@ -249,7 +249,7 @@ class _Starting:
 @pytest.mark.parametrize(("kv_fixed", "together"), [(True, True), (False, False)])
 def test_replicas_on_one_gpu_start_together_unless_vllm_profiles_free_memory(
         monkeypatch: pytest.MonkeyPatch, kv_fixed: bool, together: bool) -> None:
-    import services.models.engine_proc as engine_proc
+    import services.models.engines.proc as engine_proc
 
     monkeypatch.setattr(engine_proc, "ProcessEngine", _Starting)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
@@ -267,7 +267,7 @@ def test_replicas_on_one_gpu_start_together_unless_vllm_profiles_free_memory(
 
 def test_vllm_replicas_after_the_first_compile_into_caches_of_their_own(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import services.models.engine_proc as engine_proc
+    import services.models.engines.proc as engine_proc
 
     monkeypatch.setattr(engine_proc, "ProcessEngine", _Starting)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
@@ -282,7 +282,7 @@ def test_vllm_replicas_after_the_first_compile_into_caches_of_their_own(
 
 
 def test_a_replica_that_fails_to_start_closes_the_ones_that_started(monkeypatch: pytest.MonkeyPatch) -> None:
-    import services.models.engine_proc as engine_proc
+    import services.models.engines.proc as engine_proc
 
     built: list[_Starting] = []
 

@@ -17,8 +17,8 @@ from services.models.engine import (
     WeightSyncError,
     completions_to_rollout,
 )
-from services.models.factory import available_engines, make_engine
-from services.models.hf_engine import load_strict, sample_next
+from services.models.engines.factory import available_engines, make_engine
+from services.models.engines.hf_engine import load_strict, sample_next
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0], [0.0, 0.0, 3.0, 0.1, 0.2]])
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.core.config import TinyModelSpec
+from services.core.config.run import TinyModelSpec
 from services.models.engine import (
     EngineError,
     EngineUnavailable,
@@ -24,12 +24,12 @@ from services.models.engine import (
     WeightSyncError,
     completions_to_rollout,
 )
-from services.models.factory import available_engines, make_engine
-from services.models.loading import load_causal_lm, load_tokenizer
-from services.models.logprobs import response_logprobs
-from services.models.tiny import build_tiny_model
-from services.models.vllm_adapter import sampled_logprobs
-from services.models.vllm_engine import expected_parameters, request_seed
+from services.models.engines.factory import available_engines, make_engine
+from services.models.engines.vllm_adapter import sampled_logprobs
+from services.models.engines.vllm_engine import expected_parameters, request_seed
+from services.models.io.loading import load_causal_lm, load_tokenizer
+from services.models.nets.logprobs import response_logprobs
+from services.models.roles.tiny import build_tiny_model
 from services.tasks import make_task
 
 REASON = available_engines()["vllm"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.core.config import TaskSection
+from services.core.config.run import TaskSection
 from services.report import SAMPLES_PER_EVAL, write_report
 from services.tasks import evaluation as ev
 from services.tasks import load_task

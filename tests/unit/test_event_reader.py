@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.core.events import EventLog, EventReader
+from services.core.observability.events import EventLog, EventReader
 
 
 def test_reader_counts_unreadable_lines_and_flags_a_torn_last_line(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from services.core.events import EVENT_FIELDS, Event, EventLog
+from services.core.observability.events import EVENT_FIELDS, Event, EventLog
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,7 +105,7 @@ def test_events_written_before_kill_9_survive_and_the_log_stays_readable(tmp_pat
     writer = textwrap.dedent(
         """
         import sys
-        from services.core.events import EventLog
+        from services.core.observability.events import EventLog
         log = EventLog(sys.argv[1])
         for i in range(1_000_000):
             log.emit("scored", task_ids=[f"t{i}"] * 50)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.core.logs import setup_logging
+from services.core.observability.logs import setup_logging
 from services.fleet import last_error
 
 
@@ -52,7 +52,7 @@ def test_a_stop_signal_that_lands_in_a_finalizer_prints_nothing_and_still_stops_
     # can only hand the Interrupted raised there to sys.unraisablehook, whose default prints "Exception
     # ignored in ... Traceback" on stderr; the launcher must say its one line, and still stop at its
     # next step. Other unraisable errors still reach the hook that was installed before.
-    from services.core.config import parse_config
+    from services.core.config.run import parse_config
     from services.fleet import Fleet, Interrupted
 
     seen: list[BaseException | None] = []

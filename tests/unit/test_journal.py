@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import services.core.journal as journal_mod
-from services.core.config import RunConfig, parse_config
-from services.core.journal import (
+import services.core.journal.journal as journal_mod
+from services.core.config.run import RunConfig, parse_config
+from services.core.journal.journal import (
     ExactlyOnceError,
     Journal,
     JournalError,
@@ -30,7 +30,7 @@ from services.core.journal import (
     TaskState,
     check_staleness,
 )
-from services.core.run_binding import RUN_ID_FILE, RunBindingError, open_run_journal
+from services.core.journal.run_binding import RUN_ID_FILE, RunBindingError, open_run_journal
 
 REPO = Path(__file__).resolve().parents[2]
 KiB = 1024
@@ -369,7 +369,7 @@ def test_a_filesystem_smaller_than_min_free_bytes_is_named_at_start_up(
 ADMIT_LOOP = textwrap.dedent(
     """
     import sys
-    from services.core.journal import Journal, TaskSpec
+    from services.core.journal.journal import Journal, TaskSpec
     path, prompts, group = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     j = Journal.open(path)
     start = j.cursor

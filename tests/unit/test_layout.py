@@ -10,6 +10,8 @@ names a type for its annotations without depending on the module that defines it
 from __future__ import annotations
 
 import ast
+import importlib.util
+import re
 from collections import deque
 from pathlib import Path
 
@@ -52,12 +54,14 @@ def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
     return out
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+def _imports(name: str, path: Path, known: set[str], typing_too: bool = False) -> set[str]:
     """The services modules `name` imports: `import a.b` names a.b; `from a import b` names a.b when
-    b is a module, else a; relative imports are resolved against the importing package."""
+    b is a module, else a; relative imports are resolved against the importing package. With
+    `typing_too`, imports only a type checker sees count as well."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in (ast.walk(tree) if typing_too else _runtime_nodes(tree)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -78,10 +82,51 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     return resolved
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(typing_too: bool = False) -> dict[str, set[str]]:
     mods = _modules()
     known = set(mods)
-    return {name: _imports(name, path, known) for name, path in mods.items()}
+    return {name: _imports(name, path, known, typing_too) for name, path in mods.items()}
+
+
+MAY_IMPORT = re.compile(r"^May import:(.*?)(?:\n\s*\n|\Z)", re.S | re.M)
+
+
+def declared_rules(mods: dict[str, Path]) -> dict[str, list[str]]:
+    """Package -> what its modules may import besides their own package, from the package
+    docstring's `May import:` paragraph (the one place the rule is written)."""
+    rules: dict[str, list[str]] = {}
+    for name, path in mods.items():
+        if path.name != "__init__.py":
+            continue
+        m = MAY_IMPORT.search(ast.get_docstring(ast.parse(path.read_text())) or "")
+        if m:
+            rules[name] = [x for x in re.split(r"[\s,]+", m.group(1)) if x]
+    return rules
+
+
+def _governing(name: str, rules: dict[str, list[str]]) -> str | None:
+    """The nearest package around `name` (itself, for a package) that declares its imports."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in rules:
+            return ".".join(parts[:i])
+    return None
+
+
+def direction_violations(graph: dict[str, set[str]], rules: dict[str, list[str]]) -> list[str]:
+    """A module may import the modules its own package governs and what that package's rule names
+    (a name covers the module or package and everything under it)."""
+    out = []
+    for name, deps in sorted(graph.items()):
+        gov = _governing(name, rules)
+        if gov is None:
+            continue
+        for dep in sorted(deps):
+            if _governing(dep, rules) == gov:
+                continue
+            if not any(dep == a or dep.startswith(a + ".") for a in rules[gov]):
+                out.append(f"{name} imports {dep} ({gov} may import {', '.join(rules[gov])})")
+    return out
 
 
 def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -152,6 +197,26 @@ def test_only_the_cli_imports_the_single_process_loop() -> None:
     assert not importers, f"{', '.join(importers)} import {LOCAL_LOOP}; the services must not depend on the local loop"
 
 
+# The packages whose docstrings must state what they may import: the layers and their sub-packages.
+DECLARED = {"services.core", "services.rl", "services.models", "services.tasks", "services.workers",
+            *(f"services.core.{p}" for p in ("config", "observability", "transport", "journal", "host", "serving")),
+            *(f"services.models.{p}" for p in ("io", "weights", "nets", "engines", "roles", "checkpoints"))}
+
+
+def test_every_layer_and_sub_package_says_what_it_may_import() -> None:
+    rules = declared_rules(_modules())
+    assert not DECLARED - set(rules), f"packages without a `May import:` paragraph: {sorted(DECLARED - set(rules))}"
+    unknown = [f"{pkg}: {a}" for pkg, allowed in rules.items() for a in allowed if a not in _modules()]
+    assert not unknown, f"`May import:` names what does not exist: {unknown}"
+
+
+def test_imports_point_only_where_each_package_says_even_for_types() -> None:
+    """Type-only imports count too: a helper that names a higher module's class for its annotations
+    still ties its meaning to that module."""
+    bad = direction_violations(import_graph(typing_too=True), declared_rules(_modules()))
+    assert not bad, "imports against the layering:\n  " + "\n  ".join(bad)
+
+
 def test_no_module_in_services_is_over_500_lines() -> None:
     sizes = {
         str(p.relative_to(REPO)): len(p.read_text().splitlines())
@@ -195,3 +260,37 @@ def test_the_checker_sees_lazy_submodule_and_relative_imports(tmp_path: Path) ->
     assert _shortest_cycle(graph, comps[0]) == ["services.pkg.a", "services.pkg.b", "services.pkg.c",
                                                 "services.pkg.a"]
 
+
+
+def test_the_direction_checker_reads_the_docstring_rules_and_flags_an_upward_import(tmp_path: Path) -> None:
+    _write(tmp_path, {
+        "services/__init__.py": "",
+        "services/low/__init__.py": '"""Low.\n\nMay import: services.low\n"""\n',
+        "services/low/a.py": "from services.high import b\n",
+        "services/low/c.py": "from services.low import a\n",
+        "services/high/__init__.py": '"""High.\n\nMay import:\nservices.low,\nservices.mid\n\nMore prose.\n"""\n',
+        "services/high/b.py": "from services.low import c\nfrom services import top\n",
+        "services/mid.py": "",
+        "services/top.py": "from services.high import b\n",
+    })
+    mods = {_module_name(p, tmp_path): p for p in sorted((tmp_path / "services").rglob("*.py"))}
+    rules = declared_rules(mods)
+    assert rules == {"services.low": ["services.low"], "services.high": ["services.low", "services.mid"]}
+    graph = {n: _imports(n, p, set(mods)) for n, p in mods.items()}
+    assert direction_violations(graph, rules) == [
+        "services.high.b imports services.top (services.high may import services.low, services.mid)",
+        "services.low.a imports services.high.b (services.low may import services.low)",
+    ]
+
+
+def test_the_layout_section_of_the_architecture_doc_lists_every_module_as_the_tree_has_it() -> None:
+    spec = importlib.util.spec_from_file_location("gen_layout", REPO / "scripts" / "gen_layout.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    assert gen.rewritten(doc) == doc, "docs/architecture.md's layout drifted: run `python scripts/gen_layout.py`"
+    for path in sorted(SERVICES.rglob("*.py")):
+        if path.is_relative_to(GENERATED) or path.name in ("__init__.py", "__main__.py"):
+            continue
+        assert f"| `{path.name}` |" in doc and f"#### `{path.parent.relative_to(REPO).as_posix()}/`" in doc, path

@@ -1,4 +1,4 @@
-"""Semantic validation (services/core/limits.py): what the controller sends passes; every hostile
+"""Semantic validation (services/core/transport/limits.py): what the controller sends passes; every hostile
 value of a well-formed message is a WireError whose message names the field."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from services.core.codec import WireError
-from services.core.limits import Limits
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.wire import message, rollout_to_proto, score_from_proto, score_to_proto, validate_rollout_batch
+from services.core.transport.codec import WireError
+from services.core.transport.limits import Limits
 from services.rl.batch import Rollout
+from services.rl.wire import message, rollout_to_proto, score_from_proto, score_to_proto, validate_rollout_batch
 
 LIMITS = Limits(vocab_size=18, max_version=10, max_new_tokens=4, max_prompt_tokens=60, group_size=2,
                 prompts_per_message=2, samples_per_step=8, temperature=0.7)

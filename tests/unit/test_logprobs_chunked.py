@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from services.models.logprobs import response_logprobs, split_head
+from services.models.nets.logprobs import response_logprobs, split_head
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

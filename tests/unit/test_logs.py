@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.core.logs import REDACTED, is_secret_key, redact_text, setup_logging
+from services.core.observability.logs import REDACTED, is_secret_key, redact_text, setup_logging
 
 
 @pytest.fixture

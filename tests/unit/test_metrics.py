@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from services.core.gpu import GpuMonitor
-from services.core.metrics import METRIC_NAMES, ServiceMetrics
+from services.core.observability.gpu import GpuMonitor
+from services.core.observability.metrics import METRIC_NAMES, ServiceMetrics
 
 
 def value(text: str, name: str, **labels: str) -> float | None:

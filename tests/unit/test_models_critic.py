@@ -6,10 +6,10 @@ from typing import Any
 import pytest
 import torch
 
-from services.core.config import TinyModelSpec
-from services.models.critic import HEAD_FILE, ValueModel
-from services.models.loading import ModelLoadError
-from services.models.tiny import build_tiny_model
+from services.core.config.run import TinyModelSpec
+from services.models.io.loading import ModelLoadError
+from services.models.nets.critic import HEAD_FILE, ValueModel
+from services.models.roles.tiny import build_tiny_model
 from services.tasks import make_task
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

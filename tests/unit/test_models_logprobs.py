@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from services.core.config import TinyModelSpec
-from services.models.loading import load_causal_lm
-from services.models.logprobs import position_ids_from_mask, response_logprobs
-from services.models.tiny import build_tiny_model
+from services.core.config.run import TinyModelSpec
+from services.models.io.loading import load_causal_lm
+from services.models.nets.logprobs import position_ids_from_mask, response_logprobs
+from services.models.roles.tiny import build_tiny_model
 from services.tasks import make_task
 
 SPEC = TinyModelSpec(warmup_steps=10)

@@ -13,15 +13,14 @@ import yaml
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from services.core.config import AlgoSection, ConfigError, LoraSpec, parse_config
-from services.core.trainable import Trainable, WeightsRefused
-from services.models.checkpoint import CheckpointMismatch, load_latest, save_checkpoint
+from services.core.config.run import AlgoSection, ConfigError, LoraSpec, parse_config
+from services.models.checkpoints.checkpoint import CheckpointMismatch, load_latest, save_checkpoint
+from services.models.checkpoints.export import ExportError, export_model, record_local_config
 from services.models.engine import SamplingParams, WeightSyncError
-from services.models.export import ExportError, export_model, record_local_config
-from services.models.factory import make_engine
-from services.models.loading import load_causal_lm, load_tokenizer
-from services.models.logprobs import response_logprobs
-from services.models.lora import (
+from services.models.engines.factory import make_engine
+from services.models.io.loading import load_causal_lm, load_tokenizer
+from services.models.nets.logprobs import response_logprobs
+from services.models.nets.lora import (
     adapter_state,
     apply_lora,
     check_only_adapters_train,
@@ -32,6 +31,7 @@ from services.models.lora import (
 from services.preflight import PreflightError, check_models
 from services.rl.trainer import PolicyTrainer
 from services.tasks import load_task
+from services.workers.trainable import Trainable, WeightsRefused
 from tests.fleet_helpers import tiny_config
 from tests.unit.test_rl_trainer import _rollout
 

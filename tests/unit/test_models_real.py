@@ -22,14 +22,14 @@ from transformers import (
     Qwen2Config,
 )
 
-from services.core.config import AlgoSection, ConfigError, ModelSpec, parse_config
-from services.models.critic import ValueModel
+from services.core.config.run import AlgoSection, ConfigError, ModelSpec, parse_config
 from services.models.engine import SamplingParams, completions_to_rollout
-from services.models.factory import make_engine
-from services.models.gguf_model import materialize_gguf
-from services.models.loading import ModelLoadError, load_causal_lm, load_tokenizer
-from services.models.logprobs import response_logprobs
-from services.models.paths import resolve_model_path
+from services.models.engines.factory import make_engine
+from services.models.io.gguf_model import materialize_gguf
+from services.models.io.loading import ModelLoadError, load_causal_lm, load_tokenizer
+from services.models.nets.critic import ValueModel
+from services.models.nets.logprobs import response_logprobs
+from services.models.roles.paths import resolve_model_path
 from services.reference.scorer import ReferenceScorer
 from services.rl.batch import Rollout
 from services.rl.trainer import PolicyTrainer, ValueTrainer

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.core.config import ModelSpec, TinyModelSpec
-from services.models.loading import ModelLoadError
-from services.models.paths import resolve_model_path
-from services.models.reward_model import RewardModel, build_tiny_reward_model, load_reward_model
+from services.core.config.run import ModelSpec, TinyModelSpec
+from services.models.io.loading import ModelLoadError
+from services.models.roles.paths import resolve_model_path
+from services.models.roles.reward_model import RewardModel, build_tiny_reward_model, load_reward_model
 from services.tasks import make_task
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from services.core.config import ModelSpec, TinyModelSpec
-from services.models.atomic import MARKER, staging_dir
+from services.core.config.run import ModelSpec, TinyModelSpec
 from services.models.engine import SamplingParams
-from services.models.factory import make_engine
-from services.models.loading import ModelLoadError, load_causal_lm, load_tokenizer
-from services.models.paths import read_model_info, resolve_model_path
-from services.models.tiny import build_tiny_model
-from services.models.tokenizer import decode_completion, encode_prompt
+from services.models.engines.factory import make_engine
+from services.models.io.atomic import MARKER, staging_dir
+from services.models.io.loading import ModelLoadError, load_causal_lm, load_tokenizer
+from services.models.roles.paths import read_model_info, resolve_model_path
+from services.models.roles.tiny import build_tiny_model
+from services.models.roles.tokenizer import decode_completion, encode_prompt
 from services.tasks import make_task
 from services.tasks.base import Task
 

@@ -6,10 +6,10 @@ from typing import Literal
 import pytest
 from transformers import AutoTokenizer
 
-from services.core.config import TinyModelSpec
-from services.models.loading import ModelLoadError, load_tokenizer
-from services.models.tiny import build_tiny_model
-from services.models.tokenizer import (
+from services.core.config.run import TinyModelSpec
+from services.models.io.loading import ModelLoadError, load_tokenizer
+from services.models.roles.tiny import build_tiny_model
+from services.models.roles.tokenizer import (
     build_tokenizer,
     build_tokenizer_from_vocab,
     decode_completion,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.core.config import ConfigError, parse_config
-from services.core.mps import CONTROL, MpsDaemon, MpsError
+from services.core.config.run import ConfigError, parse_config
+from services.core.host.mps import CONTROL, MpsDaemon, MpsError
 
 
 def _fake_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exit_code: int = 0) -> Path:

@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 import pytest
 
 from services.actor.outbox import Outbox, OutboxEntry, OutboxError, OutboxFull, Publish
-from services.core.bus import Bus, BusUnavailable, StreamKeys
-from services.core.redis_proc import RedisProcess, start_redis
+from services.core.host.redis_proc import RedisProcess, start_redis
+from services.core.transport.bus import Bus, BusUnavailable, StreamKeys
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -153,7 +153,7 @@ FLUSH_CHILD = textwrap.dedent(
     """
     import asyncio, sys
     from services.actor.outbox import Outbox
-    from services.core.bus import Bus
+    from services.core.transport.bus import Bus
 
     path, url, run, hang_after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 

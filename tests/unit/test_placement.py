@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.core.config import DeviceGroup, Endpoint, load_config, parse_config
-from services.core.placement import (
+from services.core.config.run import DeviceGroup, Endpoint, load_config, parse_config
+from services.core.host.placement import (
     Gpu,
     Inventory,
     PlacementError,

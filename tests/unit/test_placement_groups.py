@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from services.core.config import RunConfig, parse_config
-from services.core.placement import Inventory
+from services.core.config.run import RunConfig, parse_config
+from services.core.host.placement import Inventory
 from services.plan import make_plan, plan_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def test_compose_gives_each_container_its_group_and_k8s_pods_their_gpu_count(tmp
 def test_more_trainer_ranks_than_the_groups_gpus_is_a_placement_error(tmp_path: Path) -> None:
     import pytest
 
-    from services.core.placement import PlacementError
+    from services.core.host.placement import PlacementError
 
     data = {**DECOUPLED, "services": {**DECOUPLED["services"],
                                       "critic": {"device_group": "value", "device": "cuda", "trainer_ranks": 3}}}

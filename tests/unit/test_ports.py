@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from services.core.config import parse_config
-from services.core.ports import PortClaims, PortError, PortRequest, assign_ports, check_free
+from services.core.config.run import parse_config
+from services.core.host.ports import PortClaims, PortError, PortRequest, assign_ports, check_free
 from services.fleet import resolve_fleet_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 OTHER_LAUNCHER = """
 import json, sys
-from services.core.ports import PortClaims, PortRequest
+from services.core.host.ports import PortClaims, PortRequest
 picked = PortClaims().claim({}, [PortRequest(f"s{i}", "127.0.0.1") for i in range(8)], owner="other launcher")
 print(json.dumps(sorted(picked.values())), flush=True)
 sys.stdin.read()  # hold the claims until the test closes our stdin

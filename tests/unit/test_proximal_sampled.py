@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.core.config import AlgoSection
+from services.core.config.run import AlgoSection
 from services.rl.trainer import PolicyTrainer, WeightVersions
 from tests.rl_helpers import ragged_rollout, tiny_qwen
 

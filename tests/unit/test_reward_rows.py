@@ -15,15 +15,15 @@ import torch
 from services.controller.assembler import StepAssembler
 from services.controller.components import ComponentMeans
 from services.controller.unscored import GROUP_REASON, end_unscored
-from services.core.config import TaskSection
+from services.core.config.run import TaskSection
 from services.core.ids import task_id
-from services.core.journal import Journal, TaskSpec
+from services.core.journal.journal import Journal, TaskSpec
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.wire import WireError, parse_message, score_from_proto, score_to_proto
 from services.models.engine import Completion, completions_to_rollout
-from services.models.tokenizer import build_tokenizer
+from services.models.roles.tokenizer import build_tokenizer
 from services.reward.scorer import BadReward, RewardScorer
 from services.rl.batch import Rollout
+from services.rl.wire import WireError, parse_message, score_from_proto, score_to_proto
 from services.tasks import evaluation as ev
 from services.tasks import load_task
 from services.tasks.base import Prompt

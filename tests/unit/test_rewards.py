@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from services.core.config import TaskSection
-from services.core.worker import rejection_reason
+from services.core.config.run import TaskSection
+from services.core.serving.worker import rejection_reason
 from services.models.engine import Completion, completions_to_rollout
-from services.models.tokenizer import build_tokenizer
+from services.models.roles.tokenizer import build_tokenizer
 from services.reward.scorer import BadReward, RewardScorer
 from services.tasks import RewardError, TaskError, load_task
 from services.tasks.base import Prompt
@@ -116,7 +116,7 @@ def test_reward_path_alone_uses_its_function_named_reward_and_path_colon_functio
 
 
 def test_a_reward_file_imports_in_a_process_without_pythonpath_for_it(data: dict[str, str], tmp_path: Path) -> None:
-    code = (f"from services.core.config import TaskSection\nfrom services.tasks import load_task\n"
+    code = (f"from services.core.config.run import TaskSection\nfrom services.tasks import load_task\n"
             f"t = load_task(TaskSection(**{data!r}, rewards=[{{'fn': 'length'}}]))\n"
             "print('REWARD', t.reward(t.prompt(0), 'abcde'))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,

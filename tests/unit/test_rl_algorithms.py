@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from services.core.config import AlgoSection, ConfigError, parse_config
+from services.core.config.run import AlgoSection, ConfigError, parse_config
 from services.rl.advantages import group_mean_baseline, overlong_penalty
 from services.rl.batch import Rollout
 from services.rl.kl import kl_estimate

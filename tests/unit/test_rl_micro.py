@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from services.core.config import AlgoSection
+from services.core.config.run import AlgoSection
 from services.rl import micro
 from services.rl.batch import Rollout
 from services.rl.micro import part_of, plan, real_lengths

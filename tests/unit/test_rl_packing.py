@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
-from services.models.critic import ValueModel
-from services.models.loading import load_causal_lm
-from services.models.logprobs import response_logprobs
+from services.models.io.loading import load_causal_lm
+from services.models.nets.critic import ValueModel
+from services.models.nets.logprobs import response_logprobs
 from services.reference.scorer import ReferenceScorer
 from services.rl.batch import Rollout
 from services.rl.micro import pack_groups, real_lengths

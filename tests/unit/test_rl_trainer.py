@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from services.core.config import AlgoSection
-from services.models.critic import ValueModel
+from services.core.config.run import AlgoSection
+from services.models.nets.critic import ValueModel
 from services.rl.batch import Rollout
 from services.rl.trainer import PolicyTrainer, ValueTrainer, micro_weights
 from tests.rl_helpers import with_statistics_read_once

@@ -19,7 +19,7 @@ EXPECTED = {
     "services.reference.server": ["torch", "transformers"],
     "services.actor.server": ["torch", "transformers"],
     "services.critic.server": ["torch", "transformers"],
-    "services.core.lifeline": [],  # the wrapper redis-server starts through
+    "services.core.host.lifeline": [],  # the wrapper redis-server starts through
 }
 
 
@@ -42,8 +42,8 @@ def test_the_controller_imports_neither_torch_nor_transformers() -> None:
 
 
 def test_the_reward_services_decoder_reads_completions_as_transformers_does(tiny_model: Path) -> None:
-    from services.models.loading import load_tokenizer
-    from services.models.text_decoder import TextDecoder
+    from services.models.io.loading import load_tokenizer
+    from services.models.io.text_decoder import TextDecoder
 
     light, full = TextDecoder.load(tiny_model), load_tokenizer(tiny_model)
     assert light is not None

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from services.core.config import TaskSection
-from services.models.tokenizer import build_tokenizer_from_vocab
+from services.core.config.run import TaskSection
+from services.models.roles.tokenizer import build_tokenizer_from_vocab
 from services.tasks import PromptError, load_task
 from services.tasks.base import Prompt
 from services.tasks.chat import encode_prompt, encode_prompts, render_prompt

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.core.config import ConfigError, TaskSection, parse_config
+from services.core.config.run import ConfigError, TaskSection, parse_config
 from services.tasks import PromptError, TaskError, load_task
 from services.tasks.dataset import DatasetTask
 
@@ -134,7 +134,7 @@ def test_hf_source_reads_a_saved_dataset_and_a_local_parquet_directory(tmp_path:
 
 
 def test_a_hub_dataset_without_the_hub_is_one_clear_error(tmp_path: Path) -> None:
-    code = ("from services.core.config import TaskSection\nfrom services.tasks import load_task, TaskError\n"
+    code = ("from services.core.config.run import TaskSection\nfrom services.tasks import load_task, TaskError\n"
             "try:\n    load_task(TaskSection(source='hf', name='nobody/not-cached-anywhere'))\n"
             "except TaskError as e:\n    print('ERR', e)\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(ROOT)}

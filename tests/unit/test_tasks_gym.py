@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import reasoning_gym
 
-from services.core.config import TaskSection
+from services.core.config.run import TaskSection
 from services.tasks import TaskError, load_task
 from services.tasks.gym import ReasoningGymTask
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.core.config import TaskSection
+from services.core.config.run import TaskSection
 from services.tasks import TaskError, load_reward_fn, load_task, make_task
 from services.tasks.arithmetic import ArithmeticTask
 from services.tasks.base import Prompt, Task

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.models.tokenizer import build_tokenizer_from_vocab
+from services.models.roles.tokenizer import build_tokenizer_from_vocab
 from services.tasks import TaskError, make_task
 from services.tasks.base import Prompt
 

@@ -1,4 +1,4 @@
-"""The tracker section of the config and the failure model of `services.core.trackers`, without
+"""The tracker section of the config and the failure model of `services.core.observability.trackers`, without
 the tracker libraries: a tracker that raises is disabled, logged once and counted while the others
 keep every row; start-up checks fail closed with one line."""
 
@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from services.cli import main
-from services.core.config import ConfigError, parse_config
-from services.core.config_trackers import MlflowSpec, TensorBoardSpec, WandbSpec
-from services.core.tracker_backends import MlflowTracker, TensorBoardTracker, WandbTracker, flat_params
-from services.core.trackers import Trackers, check_trackers, read_state, row_metrics, summary_lines
+from services.core.config.run import ConfigError, parse_config
+from services.core.config.trackers import MlflowSpec, TensorBoardSpec, WandbSpec
+from services.core.observability.tracker_backends import MlflowTracker, TensorBoardTracker, WandbTracker, flat_params
+from services.core.observability.trackers import Trackers, check_trackers, read_state, row_metrics, summary_lines
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from services.core.config import parse_config
-from services.core.trainable import Trainable, WeightsRefused
-from services.models.checkpoint import save_checkpoint
+from services.core.config.run import parse_config
+from services.models.checkpoints.checkpoint import save_checkpoint
+from services.workers.trainable import Trainable, WeightsRefused
 
 
 def trainable(tmp_path: Path, seed: int = 0) -> Trainable:
@@ -87,7 +87,7 @@ def test_a_replayed_train_of_the_last_step_returns_that_steps_figures(tmp_path: 
     applied twice, and the answer still carries the step's loss for the step's metrics row."""
     import asyncio
 
-    from services.core.wire import train_batch_to_proto
+    from services.rl.wire import train_batch_to_proto
     from tests.unit.test_rl_algorithms import rollout
 
     t = trainable(tmp_path)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from services.core.config import AlgoSection
+from services.core.config.run import AlgoSection
 from services.reference.scorer import ReferenceScorer
 from services.rl.batch import Rollout
 from services.rl.trainer import PolicyTrainer
@@ -79,7 +79,7 @@ def test_compile_flag_compiles_each_decoder_layer_of_the_trainer_and_the_referen
 
 
 def test_a_decoder_without_repeated_blocks_is_compiled_whole() -> None:
-    from services.models.logprobs import compile_decoder
+    from services.models.nets.logprobs import compile_decoder
 
     model = _model(layers=1)
     compile_decoder(model, backend="aot_eager")
@@ -90,7 +90,7 @@ def test_compiled_step_equals_the_eager_step() -> None:
     # Inductor's C++ code generation takes minutes per graph on this CI's two shared cores, so the
     # check runs the same dynamo capture and AOT-autograd graphs (forward and backward) that inductor
     # would lower, with eager kernels: what compile changes in the step's semantics is covered.
-    from services.models.logprobs import compile_decoder
+    from services.models.nets.logprobs import compile_decoder
 
     # Micro-batches of equal shape: one graph with grad and one without, no recompilation.
     algo = AlgoSection(name="grpo", minibatch_size=6, micro_batch_size=3, kl_coef=0.1, kl_in="loss",
@@ -110,7 +110,7 @@ def test_compiled_step_equals_the_eager_step() -> None:
 def test_compiled_token_logprobs_equal_the_eager_ones_with_their_gradients(entropy_grad: bool) -> None:
     # aot_eager: dynamo's capture and AOT autograd's forward and backward graphs, eager kernels (inductor's
     # C++ build takes minutes here); the fused kernels are what inductor then lowers these graphs to.
-    from services.models.logprobs import token_logprobs
+    from services.models.nets.logprobs import token_logprobs
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 50, generator=g)
@@ -135,7 +135,7 @@ def test_the_compile_flag_fuses_the_trainers_and_the_references_log_prob_steps()
 
 
 def test_compile_is_on_unless_set_only_for_a_full_model_on_one_cuda_device() -> None:
-    from services.models.logprobs import wants_compile
+    from services.models.nets.logprobs import wants_compile
 
     assert AlgoSection().compile is None
     assert wants_compile(None, "cuda:0") and wants_compile(None, torch.device("cuda", 1))
@@ -202,8 +202,8 @@ def test_the_warm_up_compiles_every_graph_the_first_steps_run(monkeypatch: pytes
 def test_a_compile_failure_in_the_warm_up_is_a_config_error_naming_the_way_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import services.reference.scorer as scorer_mod
-    from services.core.config import ConfigError
-    from services.models.logprobs import warm_up_compiled
+    from services.core.config.run import ConfigError
+    from services.models.nets.logprobs import warm_up_compiled
 
     def broken(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
         raise RuntimeError("no C compiler for Triton's launcher")
@@ -226,14 +226,14 @@ def test_a_step_that_compiles_says_so_in_its_row_and_its_log(
     monkeypatch.setattr(trainer_mod, "COMPILE_BACKEND", _CountingBackend())
     algo = AlgoSection(name="grpo", minibatch_size=6, micro_batch_size=6, compile=True)
     t = PolicyTrainer(_model(), algo, temperature=0.9)  # no warm-up: the first step compiles
-    with caplog.at_level(logging.INFO, logger="services.models.logprobs"):
+    with caplog.at_level(logging.INFO, logger="services.models.nets.logprobs"):
         first = t.train_step(_rollout(), step=0, current_version=0)
     assert first["compiles"] > 0
     assert any(r.getMessage() == "compiled during a step" and r.__dict__["role"] == "actor" for r in caplog.records)
     assert t.train_step(_rollout(), step=1, current_version=0)["compiles"] == 0
     # Another batch size recompiles, and the log says which guard failed: what a warm-up missed.
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="services.models.logprobs"):
+    with caplog.at_level(logging.INFO, logger="services.models.nets.logprobs"):
         other = t.train_step(ragged_rollout([0, 0, 0, 0], b=4), step=2, current_version=0)
     assert other["compiles"] > 0
     (rec,) = [r for r in caplog.records if r.getMessage() == "compiled during a step"]
@@ -244,7 +244,7 @@ def test_a_step_that_compiles_says_so_in_its_row_and_its_log(
 
 def test_a_recompile_of_an_earlier_compiled_function_is_the_guard_failure_a_step_reports(
         caplog: pytest.LogCaptureFixture) -> None:
-    from services.models.logprobs import CompileCount
+    from services.models.nets.logprobs import CompileCount
 
     torch._dynamo.reset()
 
@@ -262,7 +262,7 @@ def test_a_recompile_of_an_earlier_compiled_function_is_the_guard_failure_a_step
     second(torch.ones(3, dtype=torch.float64))  # then the later one's, before the count starts
     count = CompileCount()
     first(torch.ones(3, 2, 2))  # recompiles the earlier one: its list grows, not the last one
-    with caplog.at_level(logging.INFO, logger="services.models.logprobs"):
+    with caplog.at_level(logging.INFO, logger="services.models.nets.logprobs"):
         assert count.since("actor") == 1
     (rec,) = [r for r in caplog.records if r.getMessage() == "compiled during a step"]
     why = rec.__dict__["guard_failures"]  # one per graph of `first` that the new input failed

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from services.core.config import AlgoSection
-from services.models.tokenizer import build_tokenizer_from_vocab
+from services.core.config.run import AlgoSection
+from services.models.roles.tokenizer import build_tokenizer_from_vocab
 from services.rl.batch import Rollout
 from services.rl.pipeline import compute_advantages
 from services.rl.trainer import PolicyTrainer

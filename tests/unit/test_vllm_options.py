@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from services.core.config import parse_config
+from services.core.config.run import parse_config
 from services.models.engine import EngineError
-from services.models.factory import make_engine
-from services.models.vllm_adapter import capture_sizes, compile_options
+from services.models.engines.factory import make_engine
+from services.models.engines.vllm_adapter import capture_sizes, compile_options
 
 
 def test_default_config_passes_no_new_vllm_options() -> None:
@@ -34,7 +34,7 @@ def test_vllm_options_reach_the_engine_kwargs_with_the_cache_under_the_run_dir(t
 def test_prefix_caching_is_on_unless_the_config_turns_it_off_and_reaches_the_engine_by_its_own_name() -> None:
     import inspect
 
-    from services.models.vllm_engine import VLLMEngine
+    from services.models.engines.vllm_engine import VLLMEngine
 
     on = parse_config({"generation": {"engine": "vllm", "device": "cuda"}}).generation.engine_kwargs()
     off = parse_config({"generation": {"engine": "vllm", "vllm": {"prefix_caching": False}}}).generation.engine_kwargs()

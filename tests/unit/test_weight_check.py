@@ -1,4 +1,4 @@
-"""The checksums of a weight sync (`weight_check`): exact and layout-blind (a fused parameter's sums
+"""The checksums of a weight sync (`weights.check`): exact and layout-blind (a fused parameter's sums
 are its parts', however the reduction is chunked), one ulp anywhere shows, the trainer's reference is
 cast like the engine casts, and a mismatch names the parameter and both values. vLLM's layout is
 built here from real tensors the way its loader fuses them (no vLLM needed)."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.models import weight_check
-from services.models.vllm_adapter import held_in_trainer_names
-from services.models.weight_check import Held, WeightsMismatch, held_by_state, sums_of, unfuse, verify
+from services.models.engines.vllm_adapter import held_in_trainer_names
+from services.models.weights import check as weight_check
+from services.models.weights.check import Held, WeightsMismatch, held_by_state, sums_of, unfuse, verify
 
 
 def _one_ulp(t: torch.Tensor, at: int) -> torch.Tensor:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from services.models.engine import SamplingParams, StreamingWeights, WeightsTorn, WeightSyncError
-from services.models.factory import make_engine
-from services.models.weight_transfer import plan
-from services.models.weights import alias_expand
+from services.models.engines.factory import make_engine
+from services.models.weights.sync import alias_expand
+from services.models.weights.transfer import plan
 from tests.fleet_helpers import perturbed_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.wire import (
+from services.rl.batch import Rollout
+from services.rl.wire import (
     SCHEMA_VERSION,
     WireError,
     check_schema_version,
@@ -22,7 +23,6 @@ from services.core.wire import (
     train_batch_to_proto,
     validate_rollout_batch,
 )
-from services.rl.batch import Rollout
 
 MB = 1 << 20
 B, P, R = 4, 3, 5
