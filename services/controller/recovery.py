@@ -17,14 +17,14 @@ from services.core.transport.bus import BusUnavailable
 from services.rl.wire import parse_message, score_from_proto, validate_rollout_batch
 
 if TYPE_CHECKING:
-    from services.controller.server import Controller
+    from services.controller.state import RecoveryHost
 
 log = logging.getLogger("rlfleet.controller")
 
 ROLLOUT = "rollout"  # journal result stage under which the winning rollout of a prompt batch is kept
 
 
-async def watchdog(ctl: Controller) -> None:
+async def watchdog(ctl: RecoveryHost) -> None:
     """Re-publish prompt batches that made no progress for flow.resend_after_s: their prompts
     when no rollout arrived, else the winning rollout for the stages still missing."""
     assert ctl.bus is not None
@@ -59,7 +59,7 @@ async def watchdog(ctl: Controller) -> None:
                 await ctl.publish_rollout(ctl.assembler.rollout_id_of(pbid) or pbid, raw)
 
 
-async def reconcile(ctl: Controller) -> None:
+async def reconcile(ctl: RecoveryHost) -> None:
     """Rebuild the in-memory join from the journal and re-enqueue prompt batches whose rollout
     never arrived; scores already journaled are restored, the rest will be redelivered."""
     max_bytes, per_msg = ctl.cfg.flow.max_message_bytes, ctl.cfg.batch.prompts_per_message

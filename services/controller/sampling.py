@@ -17,7 +17,7 @@ from services.rl import dynamic_sampling as ds
 from services.rl.dynamic_sampling import FILTERED, SURPLUS, filtered_reason, judge_groups
 
 if TYPE_CHECKING:
-    from services.controller.server import Controller
+    from services.controller.state import StepState
     from services.core.journal.journal import Journal
 
 log = logging.getLogger("rlfleet.controller")
@@ -31,7 +31,7 @@ def check_bound(journal: Journal, step: int, group_size: int, prompts_per_step: 
 
 
 class FleetSampling:
-    def __init__(self, ctl: Controller) -> None:
+    def __init__(self, ctl: StepState) -> None:
         self.ctl = ctl
         self.tol = ctl.cfg.algo.dynamic_sampling_tol
         self.max_staleness = ctl.cfg.flow.max_staleness

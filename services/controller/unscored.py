@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 from services.core.journal.task_records import TaskRecord
 
 if TYPE_CHECKING:
-    from services.controller.server import Controller
+    from services.controller.state import StepState
 
 log = logging.getLogger("rlfleet.controller")
 
 GROUP_REASON = "unscored_group"
 
 
-async def end_unscored(ctl: Controller, pbid: str, recs: Sequence[TaskRecord | None]) -> set[str] | None:
+async def end_unscored(ctl: StepState, pbid: str, recs: Sequence[TaskRecord | None]) -> set[str] | None:
     """End the batch's unscored rows and the rest of their groups (state lock held, every score
     in); idempotent, so a restart repairs a crash between the writes. Returns the tasks it ended,
     or None when no group is left to train: the join then forgets the batch."""

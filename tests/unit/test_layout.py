@@ -294,3 +294,16 @@ def test_the_layout_section_of_the_architecture_doc_lists_every_module_as_the_tr
         if path.is_relative_to(GENERATED) or path.name in ("__init__.py", "__main__.py"):
             continue
         assert f"| `{path.name}` |" in doc and f"#### `{path.parent.relative_to(REPO).as_posix()}/`" in doc, path
+
+
+def test_no_module_but_the_controllers_server_names_the_controller_class() -> None:
+    """The controller's helpers take the narrow protocols of services/controller/state.py (or the
+    objects they use): a helper that imports `Controller`, even for a type, depends on all of it."""
+    importers = []
+    for path in sorted([*SERVICES.rglob("*.py"), *(REPO / "tests").rglob("*.py"), *(REPO / "bench").rglob("*.py")]):
+        if path == SERVICES / "controller" / "server.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "Controller" for a in node.names):
+                importers.append(str(path.relative_to(REPO)))
+    assert not importers, f"modules importing Controller: {importers}"
