@@ -50,13 +50,15 @@ import subprocess
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from bench import common
+from bench.common import read_rows
 from bench.trl_peer import write_json
-from bench.vs_trl import read_rows
 
 REPO = Path(__file__).resolve().parents[1]
 DRY = os.environ.get("BENCH_DRY") == "1"
@@ -90,8 +92,7 @@ if DRY:
              budget_s=25.0)
 
 
-def say(*parts: Any) -> None:
-    print(f"[learn {time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
+say = partial(common.say, tag="learn", err=True)
 
 
 # ---- the model both frameworks train ----

@@ -36,6 +36,8 @@ from typing import Any
 
 import yaml
 
+from bench.common import read_rows, say
+
 REPO = Path(__file__).resolve().parents[1]
 DRY = os.environ.get("BENCH_DRY") == "1"
 WORK = Path(os.environ.get("BENCH_WORK", "/tmp/multi-gpu-work"))
@@ -43,10 +45,6 @@ W: dict[str, int] = dict(prompts_per_step=64, group=8, prompt_tokens=64, complet
 if DRY:
     W.update(prompts_per_step=4, group=2, prompt_tokens=4, completion_tokens=4, steps=2, warmup=1)
 PHASES = ("plan", "fleet", "trl")
-
-
-def say(*a: Any) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
 def split(gpus: int) -> dict[str, int]:
@@ -124,18 +122,6 @@ def phase_plan(gpus: int, out: Path) -> dict[str, Any]:
     return {"ok": True, "config": str(cfg_path), "plan": json.loads(p.stdout)}
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
 def phase_fleet(out: Path, cap_s: float) -> dict[str, Any]:
     cfg_path = out / "multi-gpu.yaml"
     if not cfg_path.exists():
@@ -148,7 +134,7 @@ def phase_fleet(out: Path, cap_s: float) -> dict[str, Any]:
     t0 = time.monotonic()
     with (out / "multi-gpu-fleet.log").open("w") as log:
         p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=cap_s)
-    rows = _rows(run_dir / "metrics.jsonl")
+    rows = read_rows(run_dir / "metrics.jsonl")
     steady = [r for r in rows if int(r["step"]) > W["warmup"]]
     secs = [float(r["step_s"]) for r in steady if "step_s" in r]
     tps = [float(r["tokens_per_s"]) for r in steady if "tokens_per_s" in r]

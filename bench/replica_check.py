@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import say
+
 REPO = Path(__file__).resolve().parents[1]
 DRY = os.environ.get("BENCH_DRY") == "1"
 WORK = Path(os.environ.get("BENCH_WORK", "/tmp/replica-check-work"))
@@ -56,10 +58,6 @@ if DRY:
                  intermediate_size=64, vocab_size=512)
     BATCH, PROMPT_LEN, NEW_TOKENS, SYNCS = 8, 6, 4, 2
 MAX_LOGPROB_DIFF = 0.1
-
-
-def say(*a: Any) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
 def build_model(path: Path) -> Path:

@@ -34,8 +34,11 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from bench import common
 
 # The GPU host has no internet: a hub lookup would hang on timeouts instead of failing. Everything this
 # script loads is a local directory. Set before transformers/datasets/trl are imported.
@@ -51,8 +54,7 @@ class PeerError(RuntimeError):
     """A setup or consistency failure; the message says what and why."""
 
 
-def say(*parts: Any) -> None:
-    print(f"[trl_peer {time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
+say = partial(common.say, tag="trl_peer", err=True)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import say
+
 REPO = Path(__file__).resolve().parents[1]
 # Models, run dirs and phase logs live here, outside --out (which holds only the JSON results and one
 # combined log, so that it stays small).
@@ -54,10 +56,6 @@ if DRY:
     BATCH, PROMPT_LEN, NEW_TOKENS = 8, 64, 8
 GRPO_STEPS = int(os.environ.get("VLLM_CHECK_GRPO_STEPS", "200"))
 VOCAB_HI = int(QWEN05["vocab_size"]) - 1000  # type: ignore[call-overload]
-
-
-def say(*a: Any) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
 def dump(out: Path, name: str, data: Any) -> None:

@@ -69,10 +69,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from bench import common
+from bench.common import read_rows
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = Path(os.environ.get("BENCH_WORK", "/tmp/rlfleet-vs-trl"))
@@ -96,9 +100,7 @@ if DRY:
 N_SPECIAL = 4  # <pad> <s> </s> <unk> of the word-level tokenizer
 PORTS = {"controller": 0, "actor": 1, "critic": 2, "reward": 3, "reference": 4}
 
-
-def say(*a: Any) -> None:
-    print(f"[vs_trl {time.strftime('%H:%M:%S')}]", *a, flush=True)
+say = partial(common.say, tag="vs_trl")
 
 
 @dataclass(frozen=True)
@@ -363,18 +365,6 @@ def scrape_stages(cfg: dict[str, Any]) -> dict[str, float]:
                 if stage:
                     out[stage.group(1)] = out.get(stage.group(1), 0.0) + float(m.group(2))
     return out
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a row being written
-    return rows
 
 
 # -- model and data ---------------------------------------------------------------------------------
