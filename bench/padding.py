@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.rollouts import random_rollout
 from services.core.config.run import AlgoSection
 from services.rl.batch import Rollout
 from services.rl.micro import part_of, plan, real_lengths
@@ -74,21 +75,6 @@ def gym_prompt_lengths(n: int, seed: int) -> list[int]:
             out.append(len(ids["input_ids"]))
     order = torch.randperm(len(out), generator=torch.Generator().manual_seed(seed)).tolist()
     return [out[i] for i in order[:n]]
-
-
-def make_rollout(plen: list[int], rlen: list[int], vocab: int, seed: int) -> Rollout:
-    """Random tokens in the rollout layout: prompts left-padded, responses right-padded."""
-    g = torch.Generator().manual_seed(seed)
-    b, p, r = len(plen), max(plen), max(rlen)
-    pm = torch.arange(p)[None, :] >= p - torch.tensor(plen)[:, None]
-    rm = torch.arange(r)[None, :] < torch.tensor(rlen)[:, None]
-    return Rollout(
-        task_ids=[f"t{i}" for i in range(b)],
-        prompt_ids=torch.randint(3, vocab, (b, p), generator=g) * pm, prompt_mask=pm,
-        response_ids=torch.randint(3, vocab, (b, r), generator=g) * rm, response_mask=rm,
-        behaviour_logprobs=-torch.rand(b, r, generator=g) * rm, group_ids=torch.arange(b) // 8,
-        advantages=torch.randn(b, r, generator=g) * rm,
-    )
 
 
 def algo_for(mode: str, n: int, micro: int, budget: int) -> AlgoSection:
@@ -144,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         plen = lognormal(n, args.prompt_median, args.prompt_sigma, 1, args.max_prompt_tokens, gen)
     rlen = lognormal(n, args.completion_median, args.completion_sigma, 1, args.max_new_tokens, gen)
-    r = make_rollout(plen, rlen, args.vocab, args.seed)
+    r = random_rollout(plen, rlen, args.vocab, args.seed, group_size=8, behaviour=True, advantages=True)
     full = r.prompt_ids.shape[1] + r.response_ids.shape[1]
     budget = args.budget or args.micro * full
     real = sum(plen) + sum(rlen)

@@ -724,7 +724,7 @@ from services.core.config.run import parse_config
 from services.dist.build import build_model, build_trainer
 from services.models.io.loading import load_causal_lm
 from services.reference.scorer import ReferenceScorer
-from services.rl.batch import Rollout
+from bench.rollouts import random_rollout
 cfg, out, steps = parse_config(json.loads(sys.argv[1]), source="train-alone"), sys.argv[2], json.loads(sys.argv[3])
 dev = cfg.endpoint("actor").device
 sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
@@ -736,14 +736,9 @@ a = cfg.algo
 scorer = ReferenceScorer(load_causal_lm(Path(cfg.models.policy.path), dtype=cfg.models.policy.dtype, device=dev),
                          cfg.generation.temperature, micro_batch=a.micro_batch_size, micro_tokens=a.micro_batch_tokens,
                          pack=a.pack_sequences, chunk_tokens=a.logprob_chunk_tokens, compile=a.compile)
-b, p, r = steps["rows"], steps["prompt_tokens"], steps["completion_tokens"]
-vocab = int(policy.config.vocab_size)
-g = torch.Generator().manual_seed(0)
-ids = lambda n: torch.randint(4, vocab, (b, n), generator=g)  # noqa: E731
-full = lambda n: torch.ones(b, n, dtype=torch.bool)  # noqa: E731
-roll = Rollout(task_ids=[f"t{i}" for i in range(b)], prompt_ids=ids(p), prompt_mask=full(p), response_ids=ids(r),
-               response_mask=full(r), behaviour_logprobs=torch.zeros(b, r), group_ids=torch.arange(b) // a.group_size,
-               advantages=torch.randn(b, r, generator=g), versions=torch.zeros(b, dtype=torch.long), version=0)
+b = steps["rows"]
+roll = random_rollout([steps["prompt_tokens"]] * b, [steps["completion_tokens"]] * b, int(policy.config.vocab_size),
+                      low=4, group_size=a.group_size, advantages=True, versions=torch.zeros(b, dtype=torch.long))
 res = {"train_s": [], "reference_s": []}
 for i in range(steps["warmup"] + steps["steps"]):
     sync(); t = time.perf_counter()

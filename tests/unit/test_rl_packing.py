@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
+from bench.rollouts import random_rollout
 from services.models.io.loading import load_causal_lm
 from services.models.nets.critic import ValueModel
 from services.models.nets.logprobs import response_logprobs
@@ -18,19 +19,6 @@ from services.rl.micro import pack_groups, real_lengths
 from services.rl.packing import pack_rows, packed_logprobs, packed_values
 
 VOCAB = 64
-
-
-def _rollout(vocab: int, plen: list[int], rlen: list[int], seed: int = 0) -> Rollout:
-    g = torch.Generator().manual_seed(seed)
-    b, p, r = len(plen), max(plen), max(rlen)
-    pm = torch.arange(p)[None, :] >= p - torch.tensor(plen)[:, None]
-    rm = torch.arange(r)[None, :] < torch.tensor(rlen)[:, None]
-    return Rollout(
-        task_ids=[f"t{i}" for i in range(b)],
-        prompt_ids=torch.randint(3, vocab, (b, p), generator=g) * pm, prompt_mask=pm,
-        response_ids=torch.randint(3, vocab, (b, r), generator=g) * rm, response_mask=rm,
-        behaviour_logprobs=torch.zeros(b, r), group_ids=torch.arange(b),
-    )
 
 
 def _random(arch: str, attn: str) -> PreTrainedModel:
@@ -53,7 +41,7 @@ def _bins(r: Rollout) -> list[list[int]]:
 
 
 def test_pack_rows_restarts_positions_and_points_at_the_predicting_column() -> None:
-    r = _rollout(VOCAB, [2, 1], [2, 3])
+    r = random_rollout([2, 1], [2, 3], VOCAB)
     rows = pack_rows(r, [[0, 1]])
     assert rows.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
     assert rows.input_ids[0, :4].tolist() == [*r.prompt_ids[0].tolist(), *r.response_ids[0, :2].tolist()]
@@ -65,7 +53,7 @@ def test_pack_rows_restarts_positions_and_points_at_the_predicting_column() -> N
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_packed_logprobs_equal_unpacked_on_random_models(arch: str, attn: str) -> None:
     model = _random(arch, attn)
-    r = _rollout(VOCAB, PLEN, RLEN)
+    r = random_rollout(PLEN, RLEN, VOCAB)
     bins = _bins(r)
     assert any(len(b) > 1 for b in bins), bins
     with torch.no_grad():
@@ -90,7 +78,7 @@ def test_packed_values_equal_unpacked() -> None:
     torch.manual_seed(0)
     vm = ValueModel(_random("qwen2", "sdpa").model).eval()
     torch.nn.init.normal_(vm.value_head.weight)
-    r = _rollout(VOCAB, PLEN, RLEN)
+    r = random_rollout(PLEN, RLEN, VOCAB)
     with torch.no_grad():
         want = vm.values(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
         got = packed_values(vm, r, _bins(r))
@@ -100,7 +88,7 @@ def test_packed_values_equal_unpacked() -> None:
 def test_the_tiny_model_scores_the_same_packed_budgeted_or_whole(tiny_model: Path) -> None:
     model = load_causal_lm(tiny_model)
     vocab = int(model.config.vocab_size)
-    r = _rollout(vocab, PLEN, RLEN, seed=3)
+    r = random_rollout(PLEN, RLEN, vocab, seed=3)
     whole = ReferenceScorer(model, 0.9).score(r)
     budget = ReferenceScorer(model, 0.9, micro_tokens=12).score(r)
     packed = ReferenceScorer(model, 0.9, micro_tokens=20, pack=True).score(r)
