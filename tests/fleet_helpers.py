@@ -13,6 +13,7 @@ import httpx
 import yaml
 
 from services.core.config.run import RunConfig, parse_config
+from services.core.host.ports import pid_alive
 from services.fleet import Fleet
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
@@ -70,12 +71,15 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+def gone(*pids: int, within_s: float = 20.0) -> bool:
+    """Whether every process of `pids` exits within `within_s` seconds (a zombie waiting for its
+    reaper has exited: `services.core.host.ports.pid_alive`)."""
+    deadline = time.monotonic() + within_s
+    while any(pid_alive(p) for p in pids):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def processes_of(run_dir: Path) -> list[str]:

@@ -14,7 +14,7 @@ import pytest
 
 from services.local import run_local
 from services.report import read_metrics, write_report
-from tests.fleet_helpers import tiny_config
+from tests.fleet_helpers import gone, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -64,17 +64,7 @@ def test_engine_in_its_own_process_learns_exactly_like_the_in_process_engine(
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6)
         assert b["kl"] == pytest.approx(a["kl"], abs=1e-4)
     fleet.stop(grace_s=30)  # the actor drains: its engine process goes with it
-
-    def running(pid: str) -> bool:  # a zombie waiting for its reaper has exited
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(running(c) for c in children):
-        time.sleep(0.1)
-    assert not any(running(c) for c in children), "the engine process outlived the actor"
+    assert gone(*map(int, children), within_s=10), "the engine process outlived the actor"
 
 
 def _scrape(host: str, port: int) -> dict[str, float]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.test_faults import fault_config, run_factory  # noqa: F401 - run_factory is a fixture
+from tests.fleet_helpers import gone
 
 pytestmark = pytest.mark.slow
 
@@ -30,19 +31,6 @@ def _follower(actor_pid: int, within_s: float = 120.0) -> int:
             pass
         time.sleep(0.2)
     raise AssertionError(f"the actor has no follower rank after {within_s:.0f}s")
-
-
-def _gone(pid: int, within_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":  # exited, waiting for its reaper
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _restarted(run, times: int, within_s: float = 60.0):  # type: ignore[no-untyped-def]
@@ -67,12 +55,12 @@ def test_kill9_of_either_actor_rank_restarts_the_actor_and_the_run_completes(
     run.fault("kill -9 actor follower rank", lambda: os.kill(follower, signal.SIGKILL), at_step=2)
     actor = _restarted(run, 1)
     assert actor.proc.pid != first, "a dead rank fails the whole actor"
-    assert _gone(first), "rank 0 outlived its dead follower"
+    assert gone(first), "rank 0 outlived its dead follower"
 
     second = actor.proc.pid
     follower = _follower(second)
     run.fault("kill -9 actor rank 0", lambda: os.kill(second, signal.SIGKILL), at_step=5)
-    assert _gone(follower), "the follower outlived rank 0 (an orphan)"
+    assert gone(follower), "the follower outlived rank 0 (an orphan)"
     run.finish()
     assert run.fleet.procs["actor"].restarts == 2
     assert run.fleet.procs["critic"].restarts == 0

@@ -14,7 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from services.dist.nodes import START_KEY, Layout, NodeWatch, exit_key, master_store, pids_key, publish_layout
-from tests.fleet_helpers import free_port, start_dist_node
+from tests.fleet_helpers import free_port, gone, start_dist_node
 
 LEADER = textwrap.dedent("""
     import sys, time
@@ -30,18 +30,6 @@ LEADER = textwrap.dedent("""
 """)
 
 
-def _gone(pid: int, within_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except OSError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_a_node_started_before_its_leader_exits_non_zero_with_its_rank_when_the_leader_dies(tmp_path: Path) -> None:
     port = free_port()
     # First: it retries until rank 0 listens.
@@ -52,10 +40,10 @@ def test_a_node_started_before_its_leader_exits_non_zero_with_its_rank_when_the_
     try:
         assert leader.stdout is not None
         rank = int(leader.stdout.readline().decode().strip("[]\n"))
-        assert node.poll() is None and not _gone(rank, within_s=0.5), "the node runs its rank"
+        assert node.poll() is None and not gone(rank, within_s=0.5), "the node runs its rank"
         leader.kill()
         assert node.wait(timeout=60) != 0, "a node outlived its leader"
-        assert _gone(rank), "the node's rank outlived the leader (an orphan)"
+        assert gone(rank), "the node's rank outlived the leader (an orphan)"
     finally:
         for p in (node, leader):
             if p.poll() is None:
@@ -76,7 +64,7 @@ def test_sigterm_stops_the_nodes_rank_and_tells_rank_0(tmp_path: Path) -> None:
         assert watch.dead() == []
         node.send_signal(signal.SIGTERM)
         assert node.wait(timeout=60) == 0
-        assert _gone(rank), "SIGTERM left the node's rank running"
+        assert gone(rank), "SIGTERM left the node's rank running"
         assert watch.dead() == [1] and "stopped by a signal" in store.get(exit_key(1)).decode()
     finally:
         if node.poll() is None:

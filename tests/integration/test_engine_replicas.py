@@ -24,7 +24,7 @@ from services.models.engine import SamplingParams
 from services.models.engines.factory import make_engine
 from services.models.io.loading import load_tokenizer
 from services.rl.trainer import PolicyTrainer
-from tests.fleet_helpers import tiny_config
+from tests.fleet_helpers import gone, tiny_config
 from tests.integration.test_update_weights import ActorProc, _logprobs, _perturbed
 
 pytestmark = pytest.mark.timeout(600)
@@ -110,16 +110,6 @@ def test_two_replicas_generate_like_one_engine_sync_together_and_a_dead_one_fail
         assert code != 0
         out = (cfg.run_dir / "actor.out").read_text()
         assert "replica 1" in out, out[-3000:]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _alive(pid[0]):
-            time.sleep(0.1)
-        assert not _alive(pid[0]), "the surviving replica outlived the actor"
+        assert gone(pid[0], within_s=10), "the surviving replica outlived the actor"
     finally:
         actor.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -14,20 +14,13 @@ from pathlib import Path
 import pytest
 
 from services.core.config.run import TaskSection
+from services.core.host.ports import pid_alive
 from services.reward.worker import RewardStopped, RewardWorker
 from services.tasks import load_task
+from tests.fleet_helpers import gone
 
 ROOT = Path(__file__).resolve().parents[2]
 HANGS = TaskSection(name="arithmetic", reward_fn="tests.faults.chaos_rewards:hangs_on_index_5")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for this purpose; its parent reaps it.
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def test_a_hanging_reward_times_out_with_its_reason_and_a_fresh_process_scores_the_next_batch() -> None:
@@ -43,7 +36,7 @@ def test_a_hanging_reward_times_out_with_its_reason_and_a_fresh_process_scores_t
             worker.score([task.prompt(i) for i in (4, 5)], ["x", "y"])
         assert 1.0 <= time.monotonic() - t0 < 5.0
         assert err.value.reason == "reward_timeout" and "task.reward_timeout_s (1s)" in str(err.value)
-        assert not _alive(first), "the hung process was killed"
+        assert not pid_alive(first), "the hung process was killed"
         assert worker.score(good, [p.answer for p in good]).total == [1.0, 1.0, 1.0]
         assert worker.restarts == 1 and worker._proc is not None and worker._proc.pid != first
     finally:
@@ -78,13 +71,10 @@ def test_the_reward_process_exits_when_its_parent_is_killed(tmp_path: Path) -> N
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
         time.sleep(0.5)  # the child is now inside the hanging reward
-        assert _alive(child)
+        assert pid_alive(child)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(timeout=10)
-        deadline = time.monotonic() + 5
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(child), "the reward process outlived its SIGKILLed parent"
+        assert gone(child, within_s=5), "the reward process outlived its SIGKILLed parent"
     finally:
         if parent.poll() is None:
             parent.kill()
