@@ -26,7 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.vs_trl import W, build_model, engine_options, phase_env, select, synthetic_task
+from bench.vs_trl.caches import phase_env
+from bench.vs_trl.config import engine_options
+from bench.vs_trl.phases import select
+from bench.vs_trl.workload import W, build_model, synthetic_task
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench import vs_trl_report as rep
+from bench.vs_trl import figures, render, targets
 
 # Dry runs bounded only by generous timeouts (the one fleet a dry run starts measures nothing).
 pytestmark = pytest.mark.shares_host
@@ -28,13 +28,13 @@ W = dict(prompts_per_step=32, group=8, prompt_tokens=64, completion_tokens=256, 
 def test_matmul_parameters_of_the_qwen2_shape() -> None:
     # Per block: q and o 896², k and v 896·128, gate/up/down 896·4864; plus the 151,936 x 896 LM head.
     per_block = 2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864
-    assert rep.matmul_params(QWEN05) == 24 * per_block + 151936 * 896 == 493_961_216
+    assert figures.matmul_params(QWEN05) == 24 * per_block + 151936 * 896 == 493_961_216
 
 
 def test_train_flops_are_six_n_per_token_plus_attention_plus_the_proximal_forward() -> None:
-    n, attn = rep.matmul_params(QWEN05), 24 * 896 * 320
-    assert rep.train_flops(QWEN05, 256, 320) == 256 * 320 * (6 * n + 12 * attn)
-    assert rep.train_flops(QWEN05, 256, 320, off_policy=1.0) == 256 * 320 * (8 * n + 16 * attn)
+    n, attn = figures.matmul_params(QWEN05), 24 * 896 * 320
+    assert figures.train_flops(QWEN05, 256, 320) == 256 * 320 * (6 * n + 12 * attn)
+    assert figures.train_flops(QWEN05, 256, 320, off_policy=1.0) == 256 * 320 * (8 * n + 16 * attn)
 
 
 def _fleet(sps: float, first: float, util: float = 90.0) -> dict[str, Any]:
@@ -57,12 +57,12 @@ def _result(reps05: list[float], reps15: list[float]) -> dict[str, Any]:
 
 
 def test_summary_takes_the_median_of_the_repeats_and_derives_mfu_and_the_floor() -> None:
-    s = rep.workload_summary(_result([80.0, 88.0, 84.0], [40.0, 41.0, 42.0]), "0.5b")
+    s = figures.workload_summary(_result([80.0, 88.0, 84.0], [40.0, 41.0, 42.0]), "0.5b")
     assert s["samples_per_s"] == 84.0 and s["ratio"] == pytest.approx(84.0 / 40.0)
     assert s["spread"] == pytest.approx(8.0 / 84.0)
     assert s["first_step_s"] == 62.0
-    assert s["mfu"] == pytest.approx(rep.train_flops(QWEN05, 256, 320, 1.0) / 989e12)
-    floor = 256 * 256 / 50_000 + rep.train_flops(QWEN05, 256, 320) / (0.5 * 989e12)
+    assert s["mfu"] == pytest.approx(figures.train_flops(QWEN05, 256, 320, 1.0) / 989e12)
+    floor = 256 * 256 / 50_000 + figures.train_flops(QWEN05, 256, 320) / (0.5 * 989e12)
     assert s["floor"]["step_s"] == pytest.approx(floor)
     assert s["floor_fraction"] == pytest.approx(floor / (256 / 84.0))
 
@@ -70,20 +70,20 @@ def test_summary_takes_the_median_of_the_repeats_and_derives_mfu_and_the_floor()
 def test_the_trainer_alone_gives_its_own_mfu_and_the_three_stages_end_to_end_against_the_fleets_step() -> None:
     res = _result([80.0, 88.0, 84.0], [40.0, 41.0, 42.0])
     res["phases"]["train-alone-0.5b"] = {"ok": True, "train_median_s": 1.2, "reference_median_s": 0.3}
-    s = rep.workload_summary(res, "0.5b")
-    assert s["alone"]["mfu"] == pytest.approx(rep.train_flops(QWEN05, 256, 320) / (1.2 * 989e12))
+    s = figures.workload_summary(res, "0.5b")
+    assert s["alone"]["mfu"] == pytest.approx(figures.train_flops(QWEN05, 256, 320) / (1.2 * 989e12))
     serial = 256 * 256 / 50_000 + 1.2 + 0.3
     assert s["alone"]["serial_step_s"] == pytest.approx(serial)
-    line = rep._alone_line(s, res["phases"]["train-alone-0.5b"])
+    line = render._alone_line(s, res["phases"]["train-alone-0.5b"])
     assert "train 1.20 s" in line and "reference 0.30 s" in line and f"{serial:.2f} s a step" in line
     assert f"({256 / 84.0 / serial:.0%} of it)" in line
     # Not run: the line says so, in the words of what stopped it.
-    missing = rep._alone_line(rep.workload_summary(res, "1.5b"), {})
+    missing = render._alone_line(figures.workload_summary(res, "1.5b"), {})
     assert missing == "- Trainer and reference alone: not measured (not run)."
 
 
 def test_targets_say_met_or_missed_and_what_holds_a_miss_back() -> None:
-    lines = rep.targets(_result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0]))
+    lines = targets.targets(_result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0]))
     by = {line.split(":")[0] + ":" + line.split(":")[1]: line for line in lines}
     assert "**met**" in by["- 0.5b: rlfleet GRPO over TRL with vLLM, samples/s"]  # 2.10x >= 2x
     miss = by["- 1.5b: rlfleet GRPO over TRL with vLLM, samples/s"]  # 1.40x < 1.6x
@@ -94,24 +94,24 @@ def test_targets_say_met_or_missed_and_what_holds_a_miss_back() -> None:
     assert "**met**" in by["- 0.5b: time to first step, rlfleet minus TRL with vLLM"]  # 62 - 40 = 22 s
     slow = _result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0])
     slow["phases"]["trl-vllm-1.5b"]["first_step_s"] = 20.0
-    (late,) = [line for line in rep.targets(slow) if line.startswith("- 1.5b: time to first step")]
+    (late,) = [line for line in targets.targets(slow) if line.startswith("- 1.5b: time to first step")]
     assert ("42 s (target 30 s): **missed**; rlfleet 62 s (median of the 3 repeats; its vLLM engine process 20 s"
             " of it), TRL 20 s (its run); every repeat: 61, 62, 63") in late
-    md = rep.render(_result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0]))
+    md = render.render(_result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0]))
     assert "| **rlfleet, median of 3** (spread 10%) | **84.0** |" in md
     assert "| chunked log-probs (`algo.logprob_chunk_tokens: 1024`) | 90.0 | 1.07× |" in md
     assert "| vLLM's per-token log-probs and default CUDA-graph sizes" in md
-    assert f"| {rep.LEVER_LABEL['rep2']} | not measured: not run |" in md
-    assert rep.LEVER_LABEL["eager"] not in md  # a 1.5B lever: not in the 0.5B table
+    assert f"| {render.LEVER_LABEL['rep2']} | not measured: not run |" in md
+    assert render.LEVER_LABEL["eager"] not in md  # a 1.5B lever: not in the 0.5B table
     assert "### Levers (1.5B" not in md  # another shape lists only the levers it ran
 
 
 def test_a_lever_run_at_15b_gets_a_table_of_its_own_against_the_15b_repeats() -> None:
     res = _result([80.0, 88.0, 84.0], [30.0, 40.0, 35.0])
     res["phases"]["fleet-1.5b-eager"] = _fleet(42.0, 90.0)
-    md = rep.render(res)
+    md = render.render(res)
     table = md[md.index("### Levers (1.5B"):]
-    assert f"| {rep.LEVER_LABEL['eager']} | 42.0 | 1.20× |" in table
+    assert f"| {render.LEVER_LABEL['eager']} | 42.0 | 1.20× |" in table
     assert "chunked" not in table.split("\n\n")[1]  # only the levers run at 1.5B
 
 
@@ -124,15 +124,15 @@ def test_time_to_first_step_compares_repeats_that_compiled_vllm_with_a_peer_that
     ph["trl-vllm-0.5b"].update(first_step_s=100.0, vllm_compile="cold")
     for r, (first, state) in {"r1": (150.0, "cold"), "r2": (90.0, "cached"), "r3": (95.0, "cached")}.items():
         ph[f"fleet-0.5b-{r}"].update(first_step_s=first, vllm_compile=state)
-    (line,) = [x for x in rep.targets(res) if x.startswith("- 0.5b: time to first step")]
+    (line,) = [x for x in targets.targets(res) if x.startswith("- 0.5b: time to first step")]
     assert line.startswith("- 0.5b: time to first step, rlfleet minus TRL with vLLM: 50 s (target 30 s): **missed**")
     assert "rlfleet 150 s (the repeat with vLLM compiling;" in line
     assert "TRL 100 s (its run with vLLM compiling)" in line
     assert "every repeat: 150 (compiled), 90, 95" in line
     ph["trl-vllm-0.5b"]["vllm_compile"] = "cached"  # then the warm repeats are the ones to compare
-    (line,) = [x for x in rep.targets(res) if x.startswith("- 0.5b: time to first step")]
+    (line,) = [x for x in targets.targets(res) if x.startswith("- 0.5b: time to first step")]
     assert "-8 s (target 30 s): **met**; rlfleet 92 s (median of the 2 repeats with vLLM's compile cache warm" in line
-    assert "| rlfleet GRPO, vLLM in its own process, r1 | 80.0 | 20,480 | 3.20 | 150 (compiled) |" in rep.render(res)
+    assert "| rlfleet GRPO, vLLM in its own process, r1 | 80.0 | 20,480 | 3.20 | 150 (compiled) |" in render.render(res)
 
 
 def test_the_ratio_is_taken_to_trls_fastest_run_and_a_peer_measured_again_is_its_next_repeat(
@@ -147,16 +147,16 @@ def test_the_ratio_is_taken_to_trls_fastest_run_and_a_peer_measured_again_is_its
     b["phases"] = {"trl-vllm-0.5b": {**_fleet(30.0, 45.0), "stages": {}, "vllm_compile": "cached"}}
     for name, r in (("a.json", a), ("b.json", b)):
         (tmp_path / name).write_text(json.dumps(r))
-    m = rep.merge([tmp_path / "a.json", tmp_path / "b.json"])
+    m = figures.merge([tmp_path / "a.json", tmp_path / "b.json"])
     assert m["phases"]["trl-vllm-0.5b"]["samples_per_s"] == 42.0
     assert m["phases"]["trl-vllm-0.5b-r2"]["samples_per_s"] == 30.0
-    s = rep.workload_summary(m, "0.5b")
+    s = figures.workload_summary(m, "0.5b")
     assert s["ratio"] == pytest.approx(84.0 / 42.0) and s["ratio_median"] == pytest.approx(84.0 / 36.0)
-    (line,) = [x for x in rep.targets(m) if x.startswith("- 0.5b: rlfleet GRPO over TRL")]
+    (line,) = [x for x in targets.targets(m) if x.startswith("- 0.5b: rlfleet GRPO over TRL")]
     assert line.startswith("- 0.5b: rlfleet GRPO over TRL with vLLM, samples/s: 2.00× (target 2.00×): **met**;"
                            " against TRL's fastest of 2 runs (42.0 samples/s; runs 42.0, 30.0); against the median"
                            " of its runs 2.33×")
-    md = rep.render(m)
+    md = render.render(m)
     assert "| TRL GRPOTrainer, vLLM colocated, run 2 | 30.0 |" in md
     assert "| **TRL with vLLM, fastest of 2** (spread 33%; median 36.0) | **42.0** |" in md
     # What else the host did around each run: a busy or throttled host is told from a slow peer.
@@ -165,7 +165,7 @@ def test_the_ratio_is_taken_to_trls_fastest_run_and_a_peer_measured_again_is_its
     # Time to first step like with like on both sides; the larger gap of cold and warm is the verdict.
     for r, state in (("r1", "cold"), ("r2", "cached"), ("r3", "cached")):
         m["phases"][f"fleet-0.5b-{r}"]["vllm_compile"] = state
-    (line,) = [x for x in rep.targets(m) if x.startswith("- 0.5b: time to first step")]
+    (line,) = [x for x in targets.targets(m) if x.startswith("- 0.5b: time to first step")]
     assert line.startswith("- 0.5b: time to first step, rlfleet minus TRL with vLLM: 18 s (target 30 s): **met**;"
                            " rlfleet 61 s (the repeat with vLLM compiling;")
     assert "TRL 50 s (its run with vLLM compiling)" in line and "TRL 45 s (its run with vLLM's compile cache" in line
@@ -178,7 +178,7 @@ def test_merge_keeps_a_measured_phase_over_a_later_failure(tmp_path: Path) -> No
     b["phases"]["fleet-0.5b-r2"] = _fleet(75.0, 60.0)
     for name, r in (("a.json", a), ("b.json", b)):
         (tmp_path / name).write_text(json.dumps(r))
-    m = rep.merge([tmp_path / "a.json", tmp_path / "b.json"])
+    m = figures.merge([tmp_path / "a.json", tmp_path / "b.json"])
     assert m["phases"]["fleet-0.5b-r1"]["samples_per_s"] == 80.0 and m["phases"]["fleet-0.5b-r2"]["ok"]
     assert m["files"] == ["a.json", "b.json"] and len(m["commands"]) == 2
 
@@ -193,9 +193,9 @@ def test_a_phase_without_figures_says_what_stopped_it_and_a_later_skip_keeps_tha
     b["phases"]["fleet-0.5b-r3"] = {"rc": 124, "seconds": 123.3, "error": "only 0 steady steps recorded"}
     for name, r in (("a.json", a), ("b.json", b)):
         (tmp_path / name).write_text(json.dumps(r))
-    m = rep.merge([tmp_path / "a.json", tmp_path / "b.json"])
+    m = figures.merge([tmp_path / "a.json", tmp_path / "b.json"])
     assert m["phases"]["fleet-1.5b-r1"] == died
-    md = rep.render(m)
+    md = render.render(m)
     assert ("| rlfleet GRPO, vLLM in its own process, r1 | not measured: exit 1: rlfleet up: controller exited with"
             " code 1 while starting: ModuleNotFoundError: No module named 'tenacity' |") in md
     assert "r3 | not measured: cut off by the call's deadline after 123 s |" in md
@@ -213,7 +213,8 @@ def test_every_group_fits_one_device_call_and_the_target_rows_come_first() -> No
 
 
 def test_the_fleet_repeats_run_rlfleets_configuration_and_the_lp_lever_takes_it_back() -> None:
-    from bench.vs_trl import fleet_config, select
+    from bench.vs_trl.config import fleet_config
+    from bench.vs_trl.phases import select
 
     (rep1,) = select("fleet-0.5b-r1")
     (lp,) = select("fleet-0.5b-lp")
@@ -253,7 +254,8 @@ def test_the_fleet_repeats_run_rlfleets_configuration_and_the_lp_lever_takes_it_
 def test_fleet_phases_take_loopback_ports_of_their_own_below_the_ephemeral_range() -> None:
     # Fixed ports in Linux's ephemeral range (32768-60999) can be taken as the local end of any outgoing
     # connection between the launcher's check and the service's bind (a repeat failed so on 2026-12-04).
-    from bench.vs_trl import PORTS, port_base, select
+    from bench.vs_trl.config import PORTS, port_base
+    from bench.vs_trl.phases import select
 
     n = len(select("all"))
     ranges = [range(port_base(i), port_base(i) + 10 + len(PORTS)) for i in range(n)]
@@ -272,7 +274,8 @@ def test_a_run_refuses_fewer_measured_steps_than_a_median_and_a_spread_need(tmp_
 def test_each_framework_compiles_into_caches_of_its_own_and_its_later_launches_reuse_them() -> None:
     # On 2026-12-02 TRL ran after rlfleet on one shared cache: its "cold" vLLM start found the kernels
     # rlfleet had compiled. Each framework's first launch must compile from cold, as a user's first run does.
-    from bench.vs_trl import phase_env, select
+    from bench.vs_trl.caches import phase_env
+    from bench.vs_trl.phases import select
 
     env = {p.name: phase_env(p) for p in select("all")}
     keys = ("HOME", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
@@ -283,9 +286,9 @@ def test_each_framework_compiles_into_caches_of_its_own_and_its_later_launches_r
 
 
 def test_a_run_stops_in_seconds_naming_what_the_host_cannot_import(tmp_path: Path) -> None:
-    from bench import vs_trl
+    from bench.vs_trl.host import missing_modules
 
-    assert vs_trl.missing_modules(dry=True) == []  # this checkout's services all import
+    assert missing_modules(dry=True) == []  # this checkout's services all import
     shadow = tmp_path / "shadow"  # a package that fails to import, like a GPU host without tenacity
     (shadow / "tenacity").mkdir(parents=True)
     (shadow / "tenacity" / "__init__.py").write_text("raise ImportError('No module named tenacity')\n")
@@ -310,7 +313,7 @@ def test_dry_run_exercises_every_phase_and_renders_the_report(tmp_path: Path) ->
     (path,) = out.glob("vs_trl-*.json")
     res = json.loads(path.read_text())
     ph = res["phases"]
-    from bench.vs_trl import phases
+    from bench.vs_trl.phases import phases
 
     names = [p.name for p in phases()]
     assert set(ph) == set(names)
@@ -375,7 +378,7 @@ def test_the_start_up_timeline_reads_each_services_json_log(tmp_path: Path) -> N
     import io
     import logging
 
-    from bench.vs_trl import engine_start_s, startup_timeline
+    from bench.vs_trl.logs import engine_start_s, startup_timeline
     from services.core.observability.logs import JsonFormatter
 
     logs = tmp_path / "logs"
@@ -415,7 +418,7 @@ def test_the_start_up_timeline_reads_each_services_json_log(tmp_path: Path) -> N
                   "launcher": {"first_log_s": 1.5, "services_started_s": 4.2, "ready_s": 71.5},
                   "reward": {"first_log_s": 6.0, "ready_s": 8.0}}
     assert engine_start_s(tmp_path) == 58.4
-    md = rep.render({**_result([80.0], [40.0]), "phases": {
+    md = render.render({**_result([80.0], [40.0]), "phases": {
         **_result([80.0], [40.0])["phases"], "fleet-0.5b-r1": {**_fleet(80.0, 60.0), "startup": tl}}})
     assert ("controller 5 → 5 (an RPC to a peer failed until 95), reward 6 → 8, actor 10 → 71"
             " (engine process 58 s) (trainer built and compiled beside it 57 s), launcher 2 → 72"
@@ -427,16 +430,16 @@ def test_the_report_names_the_cpus_the_run_had_and_the_gpus_numa_node() -> None:
     res = _result([80.0, 88.0, 84.0], [40.0, 41.0, 42.0])
     res["cpu_topology"] = {"cpus_allowed": 16, "numa_nodes": {"node0": "0-63", "node1": "64-127"},
                            "gpu_local_cpus": {"0000:1b:00.0": "0-63"}}
-    md = rep.render(res)
+    md = render.render(res)
     assert "; 16 CPUs allowed, NUMA node0 0-63, node1 64-127, the GPU's local CPUs 0-63." in md
     del res["cpu_topology"]  # results written before the field existed still render
-    assert "CPUs allowed" not in rep.render(res)
+    assert "CPUs allowed" not in render.render(res)
 
 
 def test_the_compiles_of_a_step_and_their_guard_failures_are_read_from_the_service_logs(tmp_path: Path) -> None:
     import logging
 
-    from bench.vs_trl import step_compiles
+    from bench.vs_trl.logs import step_compiles
     from services.core.observability.logs import JsonFormatter
 
     (tmp_path / "logs").mkdir()
@@ -456,8 +459,8 @@ def test_a_repeat_that_compiled_after_its_warm_up_is_named_in_the_report_with_th
     guard = "0/9: tensor 'args[0]' size mismatch at index 1. expected 14, actual 320"
     compiled = {**_fleet(80.0, 60.0), "compiled_in_steps": {"2": 1},
                 "step_compiles": [{"role": "actor", "graphs": 1, "seconds": 10.7, "guard_failures": [guard]}]}
-    md = rep.render({**_result([80.0], [40.0]), "phases": {**_result([80.0], [40.0])["phases"],
+    md = render.render({**_result([80.0], [40.0]), "phases": {**_result([80.0], [40.0])["phases"],
                                                           "fleet-0.5b-r1": compiled}})
     assert (f"- Compiled during a step, after the warm-up: r1 step 2 (1 graph) in a 10.7 s train step"
             f" (first failed guard: `{guard}`).") in md
-    assert "Compiled during a step" not in rep.render(_result([80.0], [40.0]))
+    assert "Compiled during a step" not in render.render(_result([80.0], [40.0]))

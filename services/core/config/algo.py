@@ -121,7 +121,7 @@ class AlgoSection(_Strict):
     """Added to a group's reward std before dividing by it (GRPO): a group whose rewards differ by
     little more than rounding (partial credit that depends on length) gets small advantages, not
     unit ones. 1e-4 as TRL; the field used 1e-6 before 2026-12-04."""
-    # Trainer speed levers (issue 16), each measured by bench/vs_trl.py.
+    # Trainer speed levers (issue 16), each measured by a lever of bench/vs_trl/phases.py.
     logprob_chunk_tokens: Annotated[int, Field(ge=0)] = 0
     """Response tokens per pass of the LM head when the trainer and the reference compute log-probs and
     entropy: 0 builds the whole [micro-batch, tokens, vocabulary] logits at once; > 0 never does (same
