@@ -58,6 +58,5 @@ The package: `workload` (shapes, hyper-parameters, model and prompts), `phases` 
 and estimates), `config` (a fleet phase's `rlfleet up` config), the runners (`fleet_run` for the fleet,
 `runners` for the others and the dispatch, `children` the scripts of the phases run apart), what they use
 (`procs`, `caches`, `gpu`, `logs`, `host`), the report (`figures`, `targets`, `cells`, `render`, `report`)
-and the command line (`__main__`).
+and the command line (`cli`).
 """
-

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import data_plane as dp
+from bench.data_plane import batches, stats
+from bench.data_plane.cli import main
+from bench.data_plane.config import PATHS
 from services.core.host.redis_proc import redis_server_binary
 
 TINY_ARGS = ["--batches", "3", "--rounds", "2", "--in-flight", "2", "--seqs", "8", "--prompt-len", "8",
@@ -17,20 +19,20 @@ TINY_ARGS = ["--batches", "3", "--rounds", "2", "--in-flight", "2", "--seqs", "8
 
 
 def test_percentile_interpolates_and_handles_no_samples() -> None:
-    assert dp.percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert dp.percentile([0.0, 10.0], 99) == pytest.approx(9.9)
-    assert math.isnan(dp.percentile([], 50))
-    assert dp.summary_ms([0.001, 0.003])["p50"] == pytest.approx(2.0)
+    assert stats.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert stats.percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    assert math.isnan(stats.percentile([], 50))
+    assert stats.summary_ms([0.001, 0.003])["p50"] == pytest.approx(2.0)
 
 
 def test_synthetic_batch_round_trips_through_the_codec() -> None:
-    batch = dp.make_batch(8, 8, 16, group_size=4, seed=1)
+    batch = batches.make_batch(8, 8, 16, group_size=4, seed=1)
     ro = batch.rollout
     assert ro.group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     assert bool(ro.response_mask[:, 0].all())  # every response has at least one token
     assert bool((ro.behaviour_logprobs[ro.response_mask] < 0).all())
-    back = dp.decode_rollout(dp.encode_rollout(batch, "b0:x"), max_bytes=1 << 20)
-    assert dp.same_rollout(back, ro)
+    back = batches.decode_rollout(batches.encode_rollout(batch, "b0:x"), max_bytes=1 << 20)
+    assert batches.same_rollout(back, ro)
 
 
 def test_benchmark_runs_end_to_end_and_writes_its_results(
@@ -41,11 +43,11 @@ def test_benchmark_runs_end_to_end_and_writes_its_results(
     except RuntimeError as err:
         pytest.skip(str(err))
     out = tmp_path / "results" / "data_plane-smoke.json"
-    assert dp.main([*TINY_ARGS, "--out", str(out)]) == 0
+    assert main([*TINY_ARGS, "--out", str(out)]) == 0
 
     res = json.loads(out.read_text())
     assert res["config"]["batches"] == 3 and res["config"]["seqs"] == 8
-    for path in dp.PATHS:
+    for path in PATHS:
         assert len(res["latency"][path]["samples_s"]["latency"]) == 3
         assert res["throughput"][path]["batches"] == 3
         assert len(res["throughput"][path]["passes"]) == 2
