@@ -25,15 +25,8 @@ class Batch:
 
 
 def make_batch(
-    seqs: int,
-    prompt_len: int,
-    response_len: int,
-    group_size: int,
-    *,
-    seed: int = 0,
-    vocab: int = 151_936,
-    pad_id: int = 0,
-    eos_id: int = 1,
+    seqs: int, prompt_len: int, response_len: int, group_size: int, *, seed: int = 0, vocab: int = 151_936,
+    pad_id: int = 0, eos_id: int = 1,
 ) -> Batch:
     """A realistic padded rollout: groups of `group_size` samples share a left-padded prompt of
     3/4..1 x `prompt_len` tokens; responses are right-padded, a quarter of them hit the length limit
