@@ -8,10 +8,6 @@ import contextlib
 import io
 import json
 import logging
-import os
-import shutil
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,22 +17,6 @@ from torch import nn
 from services.core.observability.events import AppendOnlyFile, EventLog, iter_events
 from services.core.observability.logs import setup_logging
 from services.models.checkpoints.checkpoint import CheckpointDiskFull, latest_meta, load_latest, save_checkpoint
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root and mount(8); cannot simulate a full filesystem")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"mounting a 2 MiB tmpfs is not permitted here: {res.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def fill(fs: Path) -> Path:

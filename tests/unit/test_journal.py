@@ -469,25 +469,6 @@ def test_map_at_max_size_raises_journal_full_and_keeps_committed_state(tmp_path:
         assert (jr.cursor, jr.get_batch(100), jr.counts()["admitted"]) == (3, b"small", 6)
 
 
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MiB tmpfs, so the journal can really run out of disk."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root and mount(8); cannot simulate a full filesystem")
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if res.returncode != 0:
-        pytest.skip(f"mounting a 2 MiB tmpfs is not permitted here: {res.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 def test_full_filesystem_raises_journal_full_then_recovers_when_space_returns(small_fs: Path) -> None:
     filler = small_fs / "filler"
     filler.write_bytes(b"\0" * (768 * KiB))  # the space we hand back later

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -301,23 +300,6 @@ def test_full_map_grows_and_max_map_size_raises_outbox_full(tmp_path: Path) -> N
         msg = str(err.value)
         assert str(path) in msg and "reached max_map_size 524288" in msg and "entries are intact" in msg
         assert kept and [e.key for e in box.peek()] == kept
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MiB tmpfs, so the outbox can really run out of disk."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root and mount(8); cannot simulate a full filesystem")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"mounting a 2 MiB tmpfs is not permitted here: {res.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_full_disk_raises_outbox_full_then_accepts_puts_when_space_returns(small_fs: Path) -> None:
