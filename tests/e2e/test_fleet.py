@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import pytest
 
 from services.local import run_local
 from services.report import read_metrics, write_report
-from tests.fleet_helpers import gone, tiny_config
+from tests.fleet_helpers import gone, scrape, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -67,17 +66,6 @@ def test_engine_in_its_own_process_learns_exactly_like_the_in_process_engine(
     assert gone(*map(int, children), within_s=10), "the engine process outlived the actor"
 
 
-def _scrape(host: str, port: int) -> dict[str, float]:
-    text = httpx.get(f"http://{host}:{port}/metrics", timeout=2).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([-+0-9.eEinfa]+)$", line)
-        if m:
-            key = m.group(1) + (m.group(2) or "")
-            out[key] = float(m.group(3))
-    return out
-
-
 def _total(sample: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in sample.items() if k.startswith(prefix))
 
@@ -92,12 +80,12 @@ def test_ppo_fleet_metrics_move_during_a_run(tmp_path: Path, tiny_model: Path, f
     assert set(fleet.procs) == {"controller", "actor", "reward", "reference", "critic"}
     assert fleet.cfg is not None
     # Keep the last scrape of each service while the run goes on (the run may end between polls).
-    after = {n: _scrape("127.0.0.1", fleet.cfg.endpoint(n).http_port) for n in fleet.procs}
+    after = {n: scrape("127.0.0.1", fleet.cfg.endpoint(n).http_port) for n in fleet.procs}
     deadline = time.monotonic() + 240
     while fleet.procs["controller"].alive and time.monotonic() < deadline:
         for n in fleet.procs:
             try:
-                after[n] = _scrape("127.0.0.1", fleet.cfg.endpoint(n).http_port)
+                after[n] = scrape("127.0.0.1", fleet.cfg.endpoint(n).http_port)
             except httpx.HTTPError:
                 pass
         if after["controller"].get('rlfleet_policy_version{service="controller"}', 0) >= 2:
