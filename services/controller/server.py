@@ -52,7 +52,7 @@ from services.core.wire import (
     validate_rollout_arrays,
 )
 from services.core.worker import Rejected, StreamWorker
-from services.models.loading import load_tokenizer
+from services.models.light_tokenizer import load_tokenizer
 from services.rl import batch as rb
 from services.rl.pipeline import batch_stats, compute_advantages
 from services.tasks import load_task

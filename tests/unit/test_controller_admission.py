@@ -15,7 +15,7 @@ from services.controller.durable import DurableJournal
 from services.core.events import EventLog, iter_events
 from services.core.journal import Journal
 from services.core.metrics import ServiceMetrics
-from services.models.loading import load_tokenizer
+from services.models.light_tokenizer import load_tokenizer
 from services.tasks import load_task
 from tests.fleet_helpers import tiny_config
 
