@@ -11,7 +11,10 @@ added to the vocabulary when missing, as transformers adds them), the same ids f
 tokenization spaces as transformers applies it), and the same chat-template rendering
 (`apply_chat_template`: transformers' sandboxed jinja2 environment, its globals and filters, its
 normalisation of the messages). tests/unit/test_light_tokenizer.py pins all of it against
-transformers on the tiny models and on SmolLM2-135M-Instruct.
+transformers on the tiny models and on SmolLM2-135M-Instruct. A GGUF policy's tokenizer is
+converted from the GGUF file by transformers once, where the model is dequantized (the launcher's
+`materialize_gguf`), and saved as such a directory: no service converts it again, and the
+controller reads the saved directory here.
 
 Anything else (no tokenizer.json, a model-specific tokenizer class, which transformers rebuilds from
 the vocabulary with its own pipeline, legacy added_tokens.json files, the Mistral regex fix) is
