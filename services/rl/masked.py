@@ -21,7 +21,7 @@ Dim = int | tuple[int, ...] | None
 
 def as_bool_mask(mask: A, like: A | None = None) -> A:
     """A bool mask, broadcast to `like`'s shape if given (0/1 masks accepted: nonzero means real)."""
-    m = mask if str(mask.dtype) in ("bool", "torch.bool") else mask != 0
+    m = mask if xp.is_bool(mask) else mask != 0
     return m if like is None else xp.broadcast_to(m, like)
 
 

@@ -25,6 +25,11 @@ def is_numpy(x: Any) -> bool:
     return isinstance(x, np.ndarray | np.generic)
 
 
+def is_bool(x: Any) -> bool:
+    """`x` holds bools (numpy or torch)."""
+    return bool(x.dtype == np.bool_) if is_numpy(x) else bool(x.dtype == _torch().bool)
+
+
 def _numpy_dtype(dtype: Any) -> bool:
     return isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic))
 
