@@ -21,7 +21,7 @@ from services.core.observability.events import EventLog
 from services.core.observability.metrics import ServiceMetrics
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.serving.worker import Rejected
-from services.rl.batch import Rollout
+from services.rl.batch import RolloutArrays
 from services.rl.wire import message
 from services.tasks.base import PromptError, Task
 from services.tasks.chat import encode_prompt
@@ -53,7 +53,7 @@ class Admission:
         return [TaskSpec(tid, i, k, i)
                 for tid, i, k in ids.message_tasks(first, c.batch.prompts_per_message, c.algo.group_size)]
 
-    def check_rollout(self, rid: str, first: int, rollout: Rollout) -> None:
+    def check_rollout(self, rid: str, first: int, rollout: RolloutArrays) -> None:
         """A rollout may join only with what this run admitted: the tasks of its prompt batch, once
         journaled, each in its prompt's group, at no version past the step being committed
         (committed + 1: a later one was never trained, and would fail the staleness check when its

@@ -11,6 +11,9 @@ with dynamic sampling, groups the filter dropped) and groups an earlier step too
 groups of the oldest complete batches; with it (`group_size` given) the first `samples_per_step` kept
 samples in dataset order, waiting for every batch admitted before them (`expect`), so the fleet
 picks exactly the groups the local loop picks.
+
+Rollouts and scores are numpy arrays (`RolloutArrays`), as they come off the wire: the controller
+never imports torch.
 """
 
 from __future__ import annotations
@@ -18,19 +21,22 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
+import numpy as np
 
 from services.core.ids import prompt_batch_of
-from services.rl.batch import Rollout
+from services.rl.batch import RolloutArrays
+
+Array = np.ndarray[Any, Any]
 
 
 @dataclass
 class _Entry:
     order: int  # dataset index of the batch's first prompt: steps consume batches in this order
     rollout_id: str | None = None  # None: admitted, no rollout yet (`expect`)
-    rollout: Rollout | None = None
-    scores: dict[str, torch.Tensor] = field(default_factory=dict)
+    rollout: RolloutArrays | None = None
+    scores: dict[str, Array] = field(default_factory=dict)
     ready: bool = False  # every score in AND the journal says `scored`: a step may take it
     gone: set[int] = field(default_factory=set)  # groups no longer in the run (dropped, trained)
 
@@ -41,7 +47,7 @@ class StepAssembler:
         self.samples_per_step = samples_per_step
         self.group_size = group_size  # set (dynamic sampling): steps take groups in dataset order
         self._by_batch: dict[str, _Entry] = {}
-        self._early: dict[str, dict[str, torch.Tensor]] = {}  # scores that beat their rollout here
+        self._early: dict[str, dict[str, Array]] = {}  # scores that beat their rollout here
         # Rollout id -> the rows its reward could not score (task id -> reason).
         self._unscored: dict[str, dict[str, str]] = {}
 
@@ -49,7 +55,7 @@ class StepAssembler:
         """A batch was admitted: with group steps, no later batch may fill a step before it."""
         self._by_batch.setdefault(prompt_batch_id, _Entry(order))
 
-    def add_rollout(self, rollout_id: str, rollout: Rollout, order: int) -> bool:
+    def add_rollout(self, rollout_id: str, rollout: RolloutArrays, order: int) -> bool:
         pb = prompt_batch_of(rollout_id)
         e = self._by_batch.get(pb)
         if e is not None and e.rollout is not None:
@@ -59,7 +65,7 @@ class StepAssembler:
         e.scores.update(self._early.pop(rollout_id, {}))
         return True
 
-    def add_score(self, rollout_id: str, stage: str, value: torch.Tensor,
+    def add_score(self, rollout_id: str, stage: str, value: Array,
                   unscored: dict[str, str] | None = None) -> bool:
         """Record a stage's result (and the rows the reward could not score); False when it is a
         duplicate or belongs to a losing rollout."""
@@ -88,12 +94,12 @@ class StepAssembler:
         e = self._by_batch.get(prompt_batch_id)
         return e.rollout_id if e else None
 
-    def rollout_of(self, prompt_batch_id: str) -> Rollout:
+    def rollout_of(self, prompt_batch_id: str) -> RolloutArrays:
         r = self._by_batch[prompt_batch_id].rollout
         assert r is not None, f"{prompt_batch_id} has no rollout yet"
         return r
 
-    def scores_of(self, prompt_batch_id: str) -> dict[str, torch.Tensor]:
+    def scores_of(self, prompt_batch_id: str) -> dict[str, Array]:
         return self._by_batch[prompt_batch_id].scores
 
     def has_all_scores(self, prompt_batch_id: str) -> bool:
@@ -140,7 +146,7 @@ class StepAssembler:
     def pending(self) -> int:
         return len(self._by_batch)
 
-    def take_step(self) -> list[tuple[str, Rollout]] | None:
+    def take_step(self) -> list[tuple[str, RolloutArrays]] | None:
         """Kept groups of complete batches adding up to exactly one step, oldest batch first,
         scores attached; None if not enough are complete yet (with `in_order`: while a batch before
         them is not complete). Taken groups leave their batch; a batch is removed once none is left."""
@@ -176,7 +182,7 @@ class StepAssembler:
                 r.rewards, r.ref_logprobs, r.values = (e.scores.get(s) for s in ("reward", "reference", "critic"))
             else:
                 r = e.rollout.select(rows)
-                idx = torch.tensor(rows, dtype=torch.long)
+                idx = np.asarray(rows, dtype=np.int64)
                 r.rewards, r.ref_logprobs, r.values = (
                     e.scores[s][idx] if s in e.scores else None for s in ("reward", "reference", "critic"))
             e.gone |= wanted

@@ -45,7 +45,7 @@ class StepRecorder:
         self.queues = depths
         return depths
 
-    async def record(self, bus: Bus, *, step: int, version: int, r: rb.Rollout, stats: dict[str, float],
+    async def record(self, bus: Bus, *, step: int, version: int, r: rb.RolloutArrays, stats: dict[str, float],
                      staleness: int, times: dict[str, float], paused_s: float = 0.0) -> None:
         """`step` is the committed step (from 1); `times` holds advantage_s and train_s; `paused_s`
         is time since the last step that was not the step's (held-out evaluation)."""
@@ -55,7 +55,7 @@ class StepRecorder:
         self.t_last_step = now
         depths = await self.depths(bus)
         if "reward_mean" not in stats and r.rewards is not None:
-            stats["reward_mean"] = float(r.rewards.float().mean())
+            stats["reward_mean"] = float(r.rewards.astype("float32").mean())
         row = {
             "step": step, "time": time.time(), "version": version, **stats, "tokens": tokens, "samples": len(r),
             "tokens_per_s": tokens / elapsed, "samples_per_s": len(r) / elapsed, **times,

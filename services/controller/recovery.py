@@ -14,7 +14,7 @@ from services.controller.admission import BadPrompts
 from services.core import ids
 from services.core.pb import rlfleet_pb2 as pb
 from services.core.transport.bus import BusUnavailable
-from services.rl.wire import parse_message, score_from_proto, validate_rollout_batch
+from services.rl.wire import parse_message, score_from_proto, validate_rollout_arrays
 
 if TYPE_CHECKING:
     from services.controller.state import RecoveryHost
@@ -80,7 +80,7 @@ async def reconcile(ctl: RecoveryHost) -> None:
                 await ctl.bad_prompts(bad)
             continue
         rbm = parse_message(pb.RolloutBatch, raw, max_bytes=max_bytes)
-        ctl.assembler.add_rollout(rbm.batch_id, validate_rollout_batch(rbm, max_bytes), order=first)
+        ctl.assembler.add_rollout(rbm.batch_id, validate_rollout_arrays(rbm, max_bytes), order=first)
         for stage in ctl.stages:
             s_raw = await asyncio.to_thread(ctl.journal.get_result, rbm.batch_id, stage)
             if s_raw is not None:

@@ -43,7 +43,7 @@ from services.core.serving.runtime import ServiceRuntime
 from services.core.serving.worker import Rejected, StreamWorker
 from services.core.transport.bus import Bus, BusUnavailable, Message, bus_options
 from services.core.transport.limits import Limits
-from services.models.io.loading import load_tokenizer
+from services.models.io.light_tokenizer import load_tokenizer
 from services.rl import batch as rb
 from services.rl.pipeline import batch_stats, compute_advantages
 from services.rl.wire import (
@@ -51,9 +51,9 @@ from services.rl.wire import (
     message,
     parse_message,
     score_from_proto,
-    train_batch_from_proto,
+    train_arrays_from_proto,
     train_batch_to_proto,
-    validate_rollout_batch,
+    validate_rollout_arrays,
 )
 from services.tasks import load_task
 
@@ -218,7 +218,7 @@ class Controller:
     # -- join ----------------------------------------------------------------------------------------
     async def on_rollout(self, msg: Message) -> None:
         rbm = parse_message(pb.RolloutBatch, msg.data, max_bytes=self.cfg.flow.max_message_bytes)
-        rollout = validate_rollout_batch(rbm, self.cfg.flow.max_message_bytes, self.limits)
+        rollout = validate_rollout_arrays(rbm, self.cfg.flow.max_message_bytes, self.limits)
         rid = rbm.batch_id
         pbid = ids.prompt_batch_of(rid)
         first = _first_of(pbid)
@@ -336,7 +336,7 @@ class Controller:
 
     async def resume_step(self, raw: bytes) -> None:
         batch = parse_message(pb.TrainBatch, raw, max_bytes=self.cfg.flow.max_message_bytes)
-        r = train_batch_from_proto(batch, self.cfg.flow.max_message_bytes).rollout
+        r = train_arrays_from_proto(batch, self.cfg.flow.max_message_bytes).rollout
         per_msg = self.cfg.batch.prompts_per_message
         groups: dict[int, set[int]] = {}
         for t in r.task_ids:
@@ -355,7 +355,7 @@ class Controller:
         stats = {**batch_stats(r, self.cfg.algo, g.max_new_tokens, g.behaviour_logprobs), "resumed": 1.0}
         await self._commit_step(batch, r, stats=stats, t0=time.perf_counter())
 
-    async def train_step(self, parts: list[rb.Rollout]) -> None:
+    async def train_step(self, parts: list[rb.RolloutArrays]) -> None:
         step = self.journal.step
         t0 = time.perf_counter()
         r = rb.concat(parts, pad_id=self.tokenizer.pad_token_id)
@@ -367,7 +367,7 @@ class Controller:
         await self.durable(self.journal.put_batch, step + 1, batch.SerializeToString())
         await self._commit_step(batch, r, stats, t0)
 
-    async def _commit_step(self, batch: pb.TrainBatch, r: rb.Rollout, stats: dict[str, float], t0: float) -> None:
+    async def _commit_step(self, batch: pb.TrainBatch, r: rb.RolloutArrays, stats: dict[str, float], t0: float) -> None:
         """Train every trainable service on the journaled batch, then commit the step. The order is
         what keeps versions monotonic across any crash: Redis learns the new version (what a
         restarted trainable catches up to before it serves) before the journal commits it, so Redis

@@ -6,18 +6,21 @@ equal within a tolerance.
 
 The one rule the controller (fleet) and the local loop both apply, and the audit re-checks. It
 judges the reward stage's own scores, before overlong shaping and any KL term, as DAPO filters on
-accuracy."""
+accuracy. numpy, not torch: the controller and the audit judge without importing it (a torch
+tensor of the local loop converts without a copy)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
+import numpy as np
 
 from services.core.config.base import RunCannotContinue
-from services.rl.batch import Rollout
+
+if TYPE_CHECKING:
+    from services.rl.batch import Rollout
 
 
 @dataclass(frozen=True)
@@ -28,24 +31,26 @@ class GroupVerdict:
     value: float  # the group's mean reward (what the drop reason shows)
 
 
-def judge_groups(rewards: Tensor, group_ids: Tensor, tol: float) -> list[GroupVerdict]:
-    """One verdict per group, in order of first appearance in the batch."""
-    if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be [B]")
+def judge_groups(rewards: Any, group_ids: Any, tol: float) -> list[GroupVerdict]:
+    """One verdict per group, in order of first appearance in the batch (`rewards`, `group_ids`:
+    [B] arrays, or CPU tensors)."""
+    r, groups = np.asarray(rewards, dtype=np.float64), np.asarray(group_ids)
+    if r.shape != groups.shape or r.ndim != 1:
+        raise ValueError(f"rewards {tuple(r.shape)} and group_ids {tuple(groups.shape)} must be [B]")
     rows: dict[int, list[int]] = {}
-    for i, g in enumerate(group_ids.tolist()):
+    for i, g in enumerate(groups.tolist()):
         rows.setdefault(int(g), []).append(i)
-    r = rewards.double()
     out = []
     for g, idx in rows.items():
-        v = r[torch.tensor(idx)]
+        v = r[idx]
         out.append(GroupVerdict(g, idx, all_equal(v, tol), float(v.mean())))
     return out
 
 
-def all_equal(values: Tensor, tol: float) -> bool:
+def all_equal(values: Any, tol: float) -> bool:
     """True when max - min <= tol: no response of the group is better than another."""
-    return bool(values.numel() == 0 or float(values.max() - values.min()) <= tol)
+    v = np.asarray(values, dtype=np.float64)
+    return bool(v.size == 0 or float(v.max() - v.min()) <= tol)
 
 
 def filtered_reason(value: float) -> str:
@@ -89,7 +94,7 @@ class FilledStep:
 
 
 def fill_step(step: int, cursor: int, prompts_per_step: int, prompts_per_message: int, tol: float, max_rounds: int,
-              sample: Callable[[int], tuple[Rollout, dict[str, Tensor]]]) -> FilledStep:
+              sample: Callable[[int], tuple[Rollout, dict[str, Any]]]) -> FilledStep:
     """The local loop's dynamic sampling, exactly as the fleet's controller decides it: sample whole
     messages from `cursor` on (`sample(first)` generates and scores one, returning its reward
     components), drop every all-equal group, and keep the first `prompts_per_step` other groups."""

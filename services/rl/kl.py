@@ -5,16 +5,17 @@ k1 is unbiased but high-variance and can be negative; k2 is low-variance but bia
 unbiased, non-negative and low-variance, which is why it is the default in the loss. The names verl
 uses are accepted too: `low_var_kl` is k3 with verl's bounds (identical to k3 here, since both are
 bounded the same way), `abs` is |log pi - log ref|.
+
+One implementation for torch tensors (the trainer's KL loss, gradients flowing) and numpy arrays
+(the controller's KL-in-reward and its "kl" statistic), through `services.rl.xp`.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-import torch
-from torch import Tensor
-
-from services.rl.masked import acc_dtype
+from services.rl import xp
+from services.rl.xp import A, acc_dtype
 
 KLKind = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl", "abs")
@@ -31,22 +32,22 @@ K3_LOG_RATIO_CLAMP = 20.0
 KL_VALUE_CLAMP = 10.0
 
 
-def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind, clamp: float | None = KL_VALUE_CLAMP) -> Tensor:
+def kl_estimate(logp: A, ref_logp: A, kind: KLKind, clamp: float | None = KL_VALUE_CLAMP) -> A:
     """Per-token KL estimate [B, R], each value bounded to [-clamp, clamp] (None: unbounded, though
     k3 stays finite); not masked (the caller masks). Gradients flow through both inputs."""
     acc = acc_dtype(logp.dtype)
-    diff = logp.to(acc) - ref_logp.to(acc)  # log pi/ref
+    diff = xp.cast(logp, acc) - xp.cast(ref_logp, acc)  # log pi/ref
     if kind == "k1":
         out = diff
     elif kind == "k2":
         out = 0.5 * diff * diff
     elif kind in ("k3", "low_var_kl"):
-        log_ratio = (-diff).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)  # log ref/pi
-        out = torch.expm1(log_ratio) - log_ratio  # expm1: no cancellation (or negatives) near 0
+        log_ratio = xp.clamp(-diff, -K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)  # log ref/pi
+        out = xp.expm1(log_ratio) - log_ratio  # expm1: no cancellation (or negatives) near 0
     elif kind == "abs":
-        out = diff.abs()
+        out = abs(diff)
     else:
         raise ValueError(f"unknown KL estimator {kind!r} (expected one of {', '.join(KL_KINDS)})")
     if clamp is not None:
-        out = out.clamp(-clamp, clamp)
-    return out.to(logp.dtype)
+        out = xp.clamp(out, -clamp, clamp)
+    return xp.cast(out, logp.dtype)

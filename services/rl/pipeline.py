@@ -1,9 +1,16 @@
 """From a scored rollout to advantages, per algorithm. Shared by the local loop and the controller,
-so the fleet and the single-process baseline compute the exact same thing."""
+so the fleet and the single-process baseline compute the exact same thing.
+
+numpy throughout (the controller never imports torch): a `RolloutArrays` is computed on directly; a
+torch `Rollout` (the local loop, tests) through its arrays, which are what the wire would carry
+(float32 values), and gets its advantages (and returns) back as tensors sharing that memory.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
+
+import numpy as np
 
 from services.core.config.run import AlgoSection, BehaviourLogprobs
 from services.rl.advantages import (
@@ -15,26 +22,46 @@ from services.rl.advantages import (
     rloo_advantages,
     token_level_rewards,
 )
-from services.rl.batch import Rollout
+from services.rl.batch import Rollout, RolloutArrays
 from services.rl.kl import kl_estimate
 from services.rl.masked import masked_mean, masked_sum, masked_whiten
+
+Array = np.ndarray[Any, Any]
 
 
 class MissingScores(ValueError):
     pass
 
 
-def compute_advantages(r: Rollout, algo: AlgoSection, max_new_tokens: int | None = None,
+def _arrays(r: Rollout | RolloutArrays) -> RolloutArrays:
+    return r if isinstance(r, RolloutArrays) else r.arrays()
+
+
+def compute_advantages(r: Rollout | RolloutArrays, algo: AlgoSection, max_new_tokens: int | None = None,
                        behaviour_logprobs: BehaviourLogprobs = "engine") -> dict[str, float]:
     """Fill `r.advantages` (and `r.returns` for PPO) in place; return step statistics.
 
     `max_new_tokens` is the generation budget DAPO's overlong shaping measures lengths against;
     `behaviour_logprobs` is generation.behaviour_logprobs ("trainer": the rollout's are not computed).
     """
+    a = _arrays(r)
+    stats = _compute(a, algo, max_new_tokens, behaviour_logprobs)
+    if a is not r:  # a torch Rollout: its tensors, sharing the arrays' memory
+        import torch
+
+        assert a.advantages is not None
+        r.advantages = torch.from_numpy(a.advantages)  # type: ignore[assignment]
+        if a.returns is not None:
+            r.returns = torch.from_numpy(a.returns)  # type: ignore[assignment]
+    return stats
+
+
+def _compute(r: RolloutArrays, algo: AlgoSection, max_new_tokens: int | None,
+             behaviour_logprobs: BehaviourLogprobs) -> dict[str, float]:
     mask = r.response_mask
     if r.rewards is None:
         raise MissingScores("rollout has no rewards: the reward stage has not scored it")
-    scores = r.rewards.float()
+    scores = r.rewards.astype(np.float32)
     penalty = _overlong(r, algo, max_new_tokens)
     if penalty is not None:
         scores = scores + penalty
@@ -45,7 +72,7 @@ def compute_advantages(r: Rollout, algo: AlgoSection, max_new_tokens: int | None
         if r.values is None:
             raise MissingScores("ppo needs critic values but the rollout has none")
         tok_r = token_level_rewards(scores, mask, kl, in_reward)
-        adv, ret = gae(tok_r, r.values.float(), mask, algo.gamma, algo.lam)
+        adv, ret = gae(tok_r, r.values.astype(np.float32), mask, algo.gamma, algo.lam)
         r.advantages, r.returns = masked_whiten(adv, mask), ret
     elif algo.name in ("reinforce_pp", "reinforce_pp_baseline"):
         base = group_mean_baseline(scores, r.group_ids) if algo.name == "reinforce_pp_baseline" else scores
@@ -63,25 +90,26 @@ def compute_advantages(r: Rollout, algo: AlgoSection, max_new_tokens: int | None
     return _stats(r, penalty, kl)
 
 
-def batch_stats(r: Rollout, algo: AlgoSection, max_new_tokens: int | None = None,
+def batch_stats(r: Rollout | RolloutArrays, algo: AlgoSection, max_new_tokens: int | None = None,
                 behaviour_logprobs: BehaviourLogprobs = "engine") -> dict[str, float]:
     """The step statistics of a rollout whose advantages are already computed: what a step resumed
     from its journaled batch reports, identical to what `compute_advantages` returned for it."""
-    if r.rewards is None or r.advantages is None:
+    a = _arrays(r)
+    if a.rewards is None or a.advantages is None:
         raise MissingScores("the batch carries no rewards or advantages")
-    return _stats(r, _overlong(r, algo, max_new_tokens), _kl(r, algo, behaviour_logprobs))
+    return _stats(a, _overlong(a, algo, max_new_tokens), _kl(a, algo, behaviour_logprobs))
 
 
-def _overlong(r: Rollout, algo: AlgoSection, max_new_tokens: int | None) -> torch.Tensor | None:
+def _overlong(r: RolloutArrays, algo: AlgoSection, max_new_tokens: int | None) -> Array | None:
     if algo.overlong_buffer_len is None:
         return None
     if max_new_tokens is None:
         raise ValueError("overlong shaping needs the generation budget (max_new_tokens)")
-    lengths = r.response_mask.sum(dim=1)
+    lengths = r.response_mask.sum(axis=1)
     return overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty_factor)
 
 
-def _kl(r: Rollout, algo: AlgoSection, behaviour_logprobs: BehaviourLogprobs) -> torch.Tensor | None:
+def _kl(r: RolloutArrays, algo: AlgoSection, behaviour_logprobs: BehaviourLogprobs) -> Array | None:
     if not algo.needs_reference:
         return None
     if r.ref_logprobs is None:
@@ -93,20 +121,21 @@ def _kl(r: Rollout, algo: AlgoSection, behaviour_logprobs: BehaviourLogprobs) ->
             raise ValueError("kl_in 'reward' needs behaviour log-probs; generation.behaviour_logprobs is 'trainer'")
         return None
     kind = algo.kl_estimator_reward if algo.kl_in == "reward" else algo.kl_estimator
-    return kl_estimate(r.behaviour_logprobs.float(), r.ref_logprobs.float(), kind, algo.kl_clamp)
+    return kl_estimate(r.behaviour_logprobs.astype(np.float32), r.ref_logprobs.astype(np.float32), kind,
+                       algo.kl_clamp)
 
 
-def _stats(r: Rollout, penalty: torch.Tensor | None, kl: torch.Tensor | None) -> dict[str, float]:
+def _stats(r: RolloutArrays, penalty: Array | None, kl: Array | None) -> dict[str, float]:
     assert r.rewards is not None and r.advantages is not None
-    mask, rewards = r.response_mask, r.rewards.float()
+    mask, rewards = r.response_mask, r.rewards.astype(np.float32)
     stats: dict[str, float] = {}
     if penalty is not None:
         stats["overlong_penalty_mean"] = float(penalty.mean())
     stats.update({
         "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "adv_abs_mean": float(masked_mean(r.advantages.abs(), mask)),
-        "response_len_mean": float(mask.sum(dim=1).float().mean()),
+        "reward_std": float(rewards.std(ddof=1)) if len(rewards) > 1 else 0.0,  # unbiased, as torch's std
+        "adv_abs_mean": float(masked_mean(np.abs(r.advantages), mask)),
+        "response_len_mean": float(mask.sum(axis=1).astype(np.float32).mean()),
     })
     if kl is not None:
         stats["kl"] = float(masked_mean(kl, mask))

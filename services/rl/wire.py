@@ -18,26 +18,20 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from services.core.pb import rlfleet_pb2 as pb
-from services.core.transport.codec import (
-    SCHEMA_VERSION,
-    WireError,
-    array_from_proto,
-    array_to_proto,
-    tensor_to_proto,
-    torch_of,
-)
+from services.core.transport.codec import SCHEMA_VERSION, WireError, array_from_proto, array_to_proto, tensor_to_proto
+from services.rl.batch import Rollout, RolloutArrays
 
-if TYPE_CHECKING:  # torch and the Rollout load only where a torch rollout is asked for (see RolloutArrays)
+if TYPE_CHECKING:  # torch loads only where a torch tensor is encoded (`_encode`) or decoded (`to_rollout`)
     import torch
 
     from services.core.transport.limits import Limits
-    from services.rl.batch import Rollout
 
 __all__ = [
     "SCHEMA_VERSION",
     "STAGE_FIELDS",
     "RolloutArrays",
     "Scores",
+    "TrainArrays",
     "TrainRequest",
     "WireError",
     "check_schema_version",
@@ -46,6 +40,7 @@ __all__ = [
     "rollout_to_proto",
     "score_from_proto",
     "score_to_proto",
+    "train_arrays_from_proto",
     "train_batch_from_proto",
     "train_batch_to_proto",
     "validate_rollout_arrays",
@@ -158,46 +153,15 @@ def rollout_to_proto(r: Rollout | RolloutArrays, batch_id: str, sampling: Any = 
     return msg
 
 
-@dataclass
-class RolloutArrays:
-    """A validated RolloutBatch as numpy arrays, the layout of services.rl.batch.Rollout: what a
-    service that runs no model (a reward function) works on, without importing torch."""
-
-    task_ids: list[str]
-    prompt_ids: Array  # [B, P] int64
-    prompt_mask: Array  # [B, P] bool
-    response_ids: Array  # [B, R] int64
-    response_mask: Array  # [B, R] bool
-    behaviour_logprobs: Array  # [B, R] float32
-    group_ids: Array  # [B] int64
-    version: int = 0
-    versions: Array | None = None  # [B] int64
-
-    def __len__(self) -> int:
-        return len(self.task_ids)
-
-    def to_rollout(self) -> Rollout:
-        """The torch Rollout, sharing these arrays' memory."""
-        from services.rl.batch import Rollout
-
-        kw: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name, wire in (("prompt_ids", "int64"), ("prompt_mask", "bool"), ("response_ids", "int64"),
-                           ("response_mask", "bool"), ("behaviour_logprobs", "float32"), ("group_ids", "int64"),
-                           ("versions", "int64")):
-            if kw[name] is not None:
-                kw[name] = torch_of(kw[name], wire)
-        return Rollout(**kw)
-
-
 def validate_rollout_batch(msg: pb.RolloutBatch, max_bytes: int, limits: Limits | None = None, *,
                            max_rows: int | None = None) -> Rollout:
-    """`validate_rollout_arrays` as a torch Rollout."""
+    """`validate_rollout_arrays` as a torch Rollout (what a service that runs a model works on)."""
     return validate_rollout_arrays(msg, max_bytes, limits, max_rows=max_rows).to_rollout()
 
 
 def validate_rollout_arrays(msg: pb.RolloutBatch, max_bytes: int, limits: Limits | None = None, *,
                             max_rows: int | None = None) -> RolloutArrays:
-    """Check a RolloutBatch against the padded layout and return its arrays: B task ids,
+    """Check a RolloutBatch against the padded layout and return its numpy arrays: B task ids,
     [B, P] int64/bool prompt, [B, R] int64/bool/float32 response, [B] group ids, log-probs finite
     wherever the response mask is set. `max_bytes` bounds each tensor; `limits` adds the run's
     semantics (versions, ids, vocabulary, lengths, at most `max_rows` rows, default one message's)."""
@@ -241,16 +205,17 @@ def validate_rollout_arrays(msg: pb.RolloutBatch, max_bytes: int, limits: Limits
 
 @dataclass(frozen=True)
 class Scores:
-    """One stage's scores for one rollout batch, rows in the order of `task_ids`."""
+    """One stage's scores for one rollout batch, rows in the order of `task_ids`, as numpy arrays
+    (what the controller joins: it never imports torch)."""
 
     batch_id: str
     stage: str
     task_ids: list[str]
     version: int
-    tensor: torch.Tensor  # reward: [B] float32; reference / critic: [B, R] float32
+    tensor: Array  # reward: [B] float32; reference / critic: [B, R] float32
     score_seconds: float = 0.0
     # stage reward with several weighted rewards: each component's unweighted [B] float32 values.
-    components: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    components: dict[str, Array] = dataclasses.field(default_factory=dict)
     # stage reward: task id -> reason of each row the reward could not score (its value is 0).
     unscored: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -323,8 +288,8 @@ def score_from_proto(msg: pb.ScoreBatch, *, max_bytes: int, expected_stage: str 
             raise WireError("response_too_long", f"{owner}: {field} has {t.shape[1]} columns, more than"
                             f" generation.max_new_tokens {limits.max_new_tokens}")
     return Scores(batch_id=msg.batch_id, stage=msg.stage, task_ids=list(msg.task_ids),
-                  version=int(msg.version), tensor=torch_of(t, "float32"), score_seconds=float(msg.score_seconds),
-                  components={k: torch_of(v, "float32") for k, v in components.items()}, unscored=unscored)
+                  version=int(msg.version), tensor=t, score_seconds=float(msg.score_seconds),
+                  components=components, unscored=unscored)
 
 
 def _unscored(msg: pb.ScoreBatch, owner: str) -> dict[str, str]:
@@ -364,9 +329,19 @@ def _reward_components(msg: pb.ScoreBatch, owner: str, rows: int, max_bytes: int
 
 
 @dataclass(frozen=True)
+class TrainArrays:
+    """A decoded TrainBatch in numpy (the controller resuming a journaled step): the rollout carries
+    advantages / returns / values / ref_logprobs / rewards when the batch did."""
+
+    step: int
+    batch_id: str
+    target_version: int
+    rollout: RolloutArrays
+
+
+@dataclass(frozen=True)
 class TrainRequest:
-    """A decoded TrainBatch: the rollout carries advantages / returns / values / ref_logprobs /
-    rewards when the controller sent them."""
+    """A decoded TrainBatch as a trainer takes it: `TrainArrays` with a torch rollout."""
 
     step: int
     batch_id: str
@@ -374,7 +349,7 @@ class TrainRequest:
     rollout: Rollout
 
 
-def train_batch_to_proto(r: Rollout, *, step: int, batch_id: str, target_version: int,
+def train_batch_to_proto(r: Rollout | RolloutArrays, *, step: int, batch_id: str, target_version: int,
                          sampling: Any = None) -> pb.TrainBatch:
     """Encode a scored rollout plus whatever of advantages, returns, values, ref_logprobs and
     rewards it carries (None fields stay unset)."""
@@ -389,7 +364,15 @@ def train_batch_to_proto(r: Rollout, *, step: int, batch_id: str, target_version
 
 def train_batch_from_proto(msg: pb.TrainBatch, max_bytes: int, *,
                            require: Iterable[str] = (), limits: Limits | None = None) -> TrainRequest:
-    """Validate a TrainBatch (its rollout as `validate_rollout_batch`, extra tensors float32 [B, R]
+    """`train_arrays_from_proto` with the rollout as torch tensors (sharing the decoded memory)."""
+    a = train_arrays_from_proto(msg, max_bytes, require=require, limits=limits)
+    return TrainRequest(step=a.step, batch_id=a.batch_id, target_version=a.target_version,
+                        rollout=a.rollout.to_rollout())
+
+
+def train_arrays_from_proto(msg: pb.TrainBatch, max_bytes: int, *,
+                            require: Iterable[str] = (), limits: Limits | None = None) -> TrainArrays:
+    """Validate a TrainBatch (its rollout as `validate_rollout_arrays`, extra tensors float32 [B, R]
     or [B] and finite). `require` names fields this trainer cannot do without, e.g. ("advantages",);
     `limits` adds the run's semantics (a step's rows, target_version = step + 1 inside the run)."""
     check_schema_version(msg)
@@ -403,15 +386,14 @@ def train_batch_from_proto(msg: pb.TrainBatch, max_bytes: int, *,
             raise WireError("missing_field", f"{owner}: tensor {field!r} is not set")
     if not msg.HasField("rollout"):
         raise WireError("missing_field", f"{owner}: rollout is not set")
-    arrays = validate_rollout_arrays(msg.rollout, max_bytes, limits,
-                                     max_rows=limits.samples_per_step if limits else None)
-    b, r = arrays.response_ids.shape
-    rollout = arrays.to_rollout()
+    rollout = validate_rollout_arrays(msg.rollout, max_bytes, limits,
+                                      max_rows=limits.samples_per_step if limits else None)
+    b, r = rollout.response_ids.shape
     for field in (*_TRAIN_TOKEN_FIELDS, "rewards"):
         if msg.HasField(field):
             shape = (b,) if field == "rewards" else (b, r)
             t = _tensor(msg, field, owner, max_bytes=max_bytes, dtype="float32", shape=shape)
             _require_finite(t, field)
-            setattr(rollout, field, torch_of(t, "float32"))
-    return TrainRequest(step=int(msg.step), batch_id=msg.batch_id, target_version=int(msg.target_version),
-                        rollout=rollout)
+            setattr(rollout, field, t)
+    return TrainArrays(step=int(msg.step), batch_id=msg.batch_id, target_version=int(msg.target_version),
+                       rollout=rollout)

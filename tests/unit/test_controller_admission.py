@@ -15,7 +15,7 @@ from services.controller.durable import DurableJournal
 from services.core.journal.journal import Journal
 from services.core.observability.events import EventLog, iter_events
 from services.core.observability.metrics import ServiceMetrics
-from services.models.io.loading import load_tokenizer
+from services.models.io.light_tokenizer import load_tokenizer
 from services.tasks import load_task
 from tests.fleet_helpers import tiny_config
 

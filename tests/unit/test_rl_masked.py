@@ -204,3 +204,30 @@ def test_masked_mean_never_returns_nan(data: tuple[torch.Tensor, torch.Tensor]) 
         out = masked_mean(x, mask, dim=dim)
         assert torch.isfinite(out).all()
         assert_close(out, ref_mean(x, mask, dim))
+
+
+# ---- numpy: the same functions on the controller's arrays --------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_reduction_gives_numpy_arrays_what_it_gives_tensors(dtype: torch.dtype) -> None:
+    """One implementation for both backends: the controller's statistics (numpy) and the trainer's
+    losses (torch) reduce alike, in the input's dtype, padding garbage (inf included) ignored."""
+    import numpy as np
+
+    from services.rl.kl import KL_KINDS, kl_estimate
+
+    x, mask = batch(3, pad=float("inf"))
+    x = x.to(dtype)
+    ref = torch.where(mask, x + 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(4), dtype=dtype),
+                      torch.full_like(x, -float("inf")))
+    xn, mn, rn = x.numpy(), mask.numpy(), ref.numpy()
+    pairs = [(masked_sum(x, mask, dim=d), masked_sum(xn, mn, dim=d)) for d in (None, 0, 1)]
+    pairs += [(masked_mean(x, mask, dim=d), masked_mean(xn, mn, dim=d)) for d in (None, 0, 1)]
+    pairs += [(masked_var(x, mask), masked_var(xn, mn)), (masked_whiten(x, mask), masked_whiten(xn, mn)),
+              (masked_whiten(x, mask, shift_mean=False), masked_whiten(xn, mn, shift_mean=False))]
+    pairs += [(kl_estimate(x, ref, kind), kl_estimate(xn, rn, kind)) for kind in KL_KINDS]  # type: ignore[arg-type]
+    for want, got in pairs:
+        assert isinstance(got, np.ndarray) and got.dtype == want.numpy().dtype
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=1e-6)
+    assert masked_mean(xn, np.zeros_like(mn)) == 0 and masked_var(xn[:1, :1], mn[:1, :1]) == 0

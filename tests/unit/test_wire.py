@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from services.rl.wire import (
     rollout_to_proto,
     score_from_proto,
     score_to_proto,
+    train_arrays_from_proto,
     train_batch_from_proto,
     train_batch_to_proto,
     validate_rollout_batch,
@@ -86,7 +88,9 @@ def test_score_round_trip(stage: str, shape: tuple[int, ...]) -> None:
     msg = parse_message(pb.ScoreBatch, data.SerializeToString(), max_bytes=MB)
     s = score_from_proto(msg, max_bytes=MB, expected_stage=stage, expected_rows=B, expected_cols=R)
     assert (s.stage, s.batch_id, s.version, s.score_seconds) == (stage, "b-1", 2, 0.25)
-    assert s.task_ids == [f"t{i}" for i in range(B)] and torch.equal(s.tensor, t)
+    # numpy, bit for bit: the controller joins scores without importing torch
+    assert s.task_ids == [f"t{i}" for i in range(B)] and isinstance(s.tensor, np.ndarray)
+    assert s.tensor.dtype == np.float32 and np.array_equal(s.tensor, t.numpy())
 
 
 def test_train_batch_round_trip() -> None:
@@ -98,6 +102,23 @@ def test_train_batch_round_trip() -> None:
     req = train_batch_from_proto(msg, MB, require=("advantages",))
     assert (req.step, req.batch_id, req.target_version) == (4, "train-4", 5)
     assert_same_rollout(req.rollout, r)
+
+
+def test_train_batch_round_trip_in_numpy_is_the_same_batch() -> None:
+    """The controller encodes a TrainBatch from numpy and decodes a journaled one into numpy; the
+    trainer decodes the same bytes into the same values as tensors."""
+    r = make_rollout(versions=True)
+    r.advantages, r.values, r.ref_logprobs = torch.randn(B, R), torch.randn(B, R), torch.randn(B, R)
+    r.rewards = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    a = r.arrays()
+    assert all(isinstance(getattr(a, f), np.ndarray) for f in ("prompt_ids", "advantages", "rewards", "versions"))
+    data = train_batch_to_proto(a, step=4, batch_id="train-4", target_version=5).SerializeToString()
+    assert data == train_batch_to_proto(r, step=4, batch_id="train-4", target_version=5).SerializeToString()
+    msg = parse_message(pb.TrainBatch, data, max_bytes=MB)
+    back = train_arrays_from_proto(msg, MB, require=("advantages",))
+    assert (back.step, back.target_version) == (4, 5) and back.rollout.returns is None
+    assert_same_rollout(back.rollout.to_rollout(), r)
+    assert_same_rollout(train_batch_from_proto(msg, MB).rollout, r)
 
 
 def test_train_batch_missing_required_field_rejected() -> None:
@@ -290,7 +311,7 @@ def test_reward_components_round_trip_with_the_total() -> None:
     s = score_from_proto(parse_message(pb.ScoreBatch, msg.SerializeToString(), max_bytes=MB), max_bytes=MB,
                          expected_stage="reward", expected_rows=B)
     assert set(s.components) == {"correct", "format"}
-    assert all(torch.equal(s.components[k], v) for k, v in parts.items())
+    assert all(np.array_equal(s.components[k], v.numpy()) for k, v in parts.items())
 
 
 @pytest.mark.parametrize(("values", "reason"), [(torch.tensor([1.0, float("nan"), 0.0, 0.0]), "non_finite"),

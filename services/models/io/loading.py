@@ -11,6 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from services.models.errors import ModelLoadError
+from services.models.io.vocab import check_vocab, tokenizer_id_bound
+
+__all__ = ["DTYPES", "ModelLoadError", "check_tokenizer_fits", "check_vocab", "load_causal_lm", "load_tokenizer",
+           "model_vocab_size", "require_model_dir", "tokenizer_id_bound", "torch_dtype"]
 
 if TYPE_CHECKING:  # a type only: transformers.modeling_utils is ~2 s of imports that tokenizer-only services skip
     from transformers import PreTrainedModel
@@ -106,12 +110,6 @@ def require_model_dir(path: Path, what: str = "model") -> Path:
 # -- fit between tokenizer and model -------------------------------------------------------------
 
 
-def tokenizer_id_bound(tokenizer: PreTrainedTokenizerBase) -> int:
-    """One past the largest id the tokenizer can produce (added tokens included)."""
-    ids = tokenizer.get_vocab().values()
-    return max(len(tokenizer), max(ids, default=-1) + 1)
-
-
 def model_vocab_size(path: Path) -> int:
     """The embedding rows of the causal LM at `path`, from its config.json (no weights are read)."""
     from transformers import AutoConfig
@@ -132,11 +130,3 @@ def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, model_dir: Path) ->
     check_vocab(tokenizer, model_vocab_size(model_dir), str(model_dir))
 
 
-def check_vocab(tokenizer: PreTrainedTokenizerBase, vocab: int, where: str) -> None:
-    bound = tokenizer_id_bound(tokenizer)
-    if bound > vocab:
-        raise ModelLoadError(
-            f"tokenizer and model in {where} do not fit: the tokenizer has {bound} token ids but the model's"
-            f" vocabulary has {vocab} (ids >= {vocab} have no embedding); use the tokenizer the model was trained"
-            " with, or resize the model's embeddings"
-        )

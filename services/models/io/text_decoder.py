@@ -2,10 +2,13 @@
 completions (the reward service with a reward function) needs, without transformers' ~1-2 s import.
 
 The same text as transformers' `decode(ids, skip_special_tokens=True)` on a `tokenizer.json`
-tokenizer: the special tokens its tokenizer_config.json and special_tokens_map.json name are
-registered as special (as transformers does on load), and `clean_up_tokenization_spaces` is applied
-when the config asks for it. A directory without a tokenizer.json gets None: load the transformers
-tokenizer there (`services.models.io.loading.load_tokenizer`).
+tokenizer: where `services.models.io.light_tokenizer` reproduces the whole tokenizer, its backend (the
+special tokens exactly as transformers registers and adds them); otherwise (a model-specific
+tokenizer class, whose decoder transformers still takes from tokenizer.json) the special tokens its
+tokenizer_config.json and special_tokens_map.json name are registered as special. Tokenization
+spaces are cleaned up as transformers does (when the config asks, never for a BPE model unless it
+insists). A directory without a tokenizer.json gets None: load the transformers tokenizer there
+(`services.models.io.loading.load_tokenizer`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from services.models.io.light_tokenizer import LightTokenizer, Unsupported, clean_up_tokenization, cleans_up
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -27,14 +32,6 @@ def _token_names(config: dict[str, Any]) -> list[str]:
     return out
 
 
-def _clean_up(text: str) -> str:
-    """transformers' `clean_up_tokenization`."""
-    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
-                 (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
-        text = text.replace(a, b)
-    return text
-
-
 class TextDecoder:
     """`decode` / `batch_decode` with skip_special_tokens=True, as the reward scorer calls them."""
 
@@ -46,6 +43,11 @@ class TextDecoder:
     def load(cls, path: Path) -> TextDecoder | None:
         if not (path / "tokenizer.json").is_file():
             return None
+        try:
+            tok = LightTokenizer.load(path)
+            return cls(tok.backend, cleans_up(tok.backend, tok.clean_up_tokenization_spaces, tok.clean_up_bpe))
+        except Unsupported:
+            pass
         from tokenizers import AddedToken, Tokenizer
 
         config: dict[str, Any] = {}
@@ -56,11 +58,12 @@ class TextDecoder:
         backend = Tokenizer.from_file(str(path / "tokenizer.json"))
         names = [n for n in _token_names(config) if backend.token_to_id(n) is not None]
         backend.add_special_tokens([AddedToken(n, special=True) for n in names])
-        return cls(backend, bool(config.get("clean_up_tokenization_spaces", False)))
+        bpe_too = bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
+        return cls(backend, cleans_up(backend, bool(config.get("clean_up_tokenization_spaces", False)), bpe_too))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
-        return _clean_up(text) if self.clean_up else text
+        return clean_up_tokenization(text) if self.clean_up else text
 
     def batch_decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(r, skip_special_tokens) for r in rows]

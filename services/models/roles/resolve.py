@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.core.config.run import RunConfig
-from services.models.io.loading import load_tokenizer
+from services.models.io.light_tokenizer import load_tokenizer
 from services.models.roles.paths import resolve_model_path
 from services.tasks import load_task
 from services.tasks.base import Task
@@ -22,6 +22,8 @@ class Roles:
     """Everything a run needs besides the policy: built once, shared by the local loop's steps."""
 
     task: Task
+    # The controller's tokenizer (services.models.io.light_tokenizer): the local loop encodes prompts and
+    # decodes completions through the same code as the fleet.
     tokenizer: object
     policy_path: Path
 
