@@ -234,3 +234,63 @@ def test_scripts_parse() -> None:
         subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True)
     for script in ("redis-entry.sh", "ensure_python.sh"):
         subprocess.run(["sh", "-n", str(ROOT / "docker" / script)], check=True)
+
+
+EXTRAS_SCRIPT = ROOT / "docker" / "extras_requirements.py"
+
+
+def _extras(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(EXTRAS_SCRIPT), *args], capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def test_the_extras_image_installs_the_extras_of_pyproject() -> None:
+    import tomllib
+
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    p = _extras("tasks,track,lora", str(ROOT / "pyproject.toml"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == optional["tasks"] + optional["track"] + optional["lora"]
+    # An extra naming others (`rlfleet[tasks]`) is expanded, each requirement once.
+    dev = _extras("dev", str(ROOT / "pyproject.toml")).stdout.split()
+    assert not any(r.startswith("rlfleet[") for r in dev) and len(dev) == len(set(dev))
+    assert set(optional["tasks"]) | set(optional["lora"]) | set(optional["track"]) <= set(dev)
+    bad = _extras("tasks,trak", str(ROOT / "pyproject.toml"))
+    assert bad.returncode == 2 and "no extra 'trak'" in bad.stderr and "track" in bad.stderr
+
+
+def test_extras_built_from_source_are_read_from_pips_report(tmp_path: Path) -> None:
+    report = {"install": [
+        {"metadata": {"name": "pycosat", "version": "0.6.6"},
+         "download_info": {"url": "https://files.example/pycosat-0.6.6.tar.gz#sha256=00"}},
+        {"metadata": {"name": "peft", "version": "0.21.2"},
+         "download_info": {"url": "https://files.example/peft-0.21.2-py3-none-any.whl#sha256=00"}},
+        {"metadata": {"name": "zss", "version": "1.2.0"}, "download_info": {"url": "https://files.example/zss-1.2.0.zip"}},
+    ]}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    p = _extras("--sdists", str(path))
+    assert p.returncode == 0 and p.stdout.split() == ["pycosat==0.6.6", "zss==1.2.0"], (p.stdout, p.stderr)
+
+
+def test_the_extras_are_one_layer_over_the_base_images() -> None:
+    stages = _dockerfile_stages()
+    # The base images' layers know nothing of EXTRAS: the builder never reads it, and in the app
+    # stage it is declared only after the venv is copied, and before the source.
+    assert not any("EXTRAS" in x for x in stages["builder"])
+    app = stages["app"]
+    venv = next(i for i, x in enumerate(app) if x.startswith("COPY --from=builder /opt/rlfleet"))
+    arg = app.index("ARG EXTRAS=")
+    source = next(i for i, x in enumerate(app) if x.startswith("COPY services/"))
+    assert venv < arg < source
+    install = next(x for x in app[arg:] if x.startswith("RUN") and "EXTRAS" in x)
+    assert "-c /tmp/constraints.txt" in install and "pip check" in install and "--only-binary :all:" in install
+    assert any(x.startswith("LABEL rlfleet.extras=") for x in app)
+    # The compiler for source-only extras stays in the wheel stage.
+    assert "gcc" in " ".join(stages["extras-wheels"]) and "gcc" not in " ".join(app)
+    for path in (GPU_FILE, CPU_FILE):
+        data = _compose(path)
+        for anchor in ("x-gpu-build", "x-slim-build"):
+            assert data[anchor]["args"]["EXTRAS"] == "${RLFLEET_EXTRAS:-}", (path.name, anchor)
+    build = (ROOT / "scripts" / "docker_build.sh").read_text()
+    assert 'RLFLEET_EXTRAS="${RLFLEET_EXTRAS:-tasks,track,lora}" RLFLEET_TAG="${RLFLEET_TAG:-extras}"' in build
