@@ -133,6 +133,9 @@ RUN set -eu; \
     fi; \
     rm -rf /tmp/extras-wheels
 LABEL rlfleet.extras="${EXTRAS}"
+# Read by `python -m services.prepare`: in a base image a config that needs an extra is told which
+# image to use.
+ENV RLFLEET_IMAGE_EXTRAS="${EXTRAS}"
 COPY examples/ /app/examples/
 COPY services/ /app/services/
 ENV PATH=/opt/rlfleet/bin:$PATH \

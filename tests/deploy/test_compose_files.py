@@ -191,6 +191,50 @@ def test_prepare_writes_fleet_yaml_and_targets(tmp_path: Path, monkeypatch: pyte
     assert again == fleet
 
 
+@pytest.mark.parametrize("section,missing,needs", [
+    ({"run": {"trackers": [{"kind": "tensorboard"}]}}, "tensorboard", "rlfleet[track]"),
+    ({"task": {"source": "reasoning_gym", "name": "chain_sum", "params": {}, "eval_size": 8}}, "reasoning_gym",
+     "reasoning-gym package"),
+    ({"models": {"policy": {"build": {}, "lora": {"r": 4}}}}, "peft", "rlfleet[lora]"),
+])
+def test_prepare_refuses_a_config_whose_extra_the_image_lacks_naming_the_image(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        section: dict[str, Any], missing: str, needs: str) -> None:
+    import builtins
+    import importlib.util
+
+    from services.prepare import main
+
+    data = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    for name, values in section.items():
+        data[name].update(values)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    find_spec, real_import = importlib.util.find_spec, builtins.__import__
+
+    def no_find(name: str, *a: Any, **k: Any) -> Any:
+        return None if name.split(".")[0] == missing else find_spec(name, *a, **k)
+
+    def no_import(name: str, *a: Any, **k: Any) -> Any:
+        if name.split(".")[0] == missing:
+            raise ImportError(f"No module named {missing!r}")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_find)
+    monkeypatch.setattr(builtins, "__import__", no_import)
+    argv = ["--config", str(cfg), "--run-dir", str(tmp_path / "run"), "--redis-url", "redis://127.0.0.1:1/0",
+            "--no-models"]
+    monkeypatch.setenv("RLFLEET_IMAGE_EXTRAS", "")  # a base image
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needs in err and "scripts/docker_build.sh --extras" in err, err
+    assert not (tmp_path / "run" / "fleet.yaml").exists()
+    monkeypatch.delenv("RLFLEET_IMAGE_EXTRAS")  # not in an image: the package is named, no image
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needs in err and "docker_build" not in err, err
+
+
 class _Ready(http.server.BaseHTTPRequestHandler):
     code = 200
 
