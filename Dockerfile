@@ -92,11 +92,14 @@ RUN set -eu; \
       python /tmp/src/extras_requirements.py --sdists /tmp/report.json > /tmp/sdists.txt; \
       if [ -s /tmp/sdists.txt ]; then \
         echo "extras built from source: $(tr '\n' ' ' < /tmp/sdists.txt)"; \
-        command -v cc >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev; }; \
+        tools=""; \
+        command -v cc >/dev/null 2>&1 || tools="gcc libc6-dev"; \
         python -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
-          || apt-get install -y -q --no-install-recommends python3-dev; \
+          || tools="$tools python3-dev"; \
+        if [ -n "$tools" ]; then apt-get update -q && apt-get install -y -q --no-install-recommends $tools; fi; \
         pip wheel --no-deps -w /opt/extras-wheels ${PIP_INDEX_URL:+--index-url "$PIP_INDEX_URL"} \
           -c /tmp/constraints.txt -r /tmp/sdists.txt; \
+        if [ -n "$tools" ]; then apt-get purge -y -q --auto-remove $tools; apt-get clean; rm -rf /var/lib/apt/lists/*; fi; \
       fi; \
     fi
 
