@@ -95,6 +95,9 @@ def check_packages(cfg: RunConfig) -> None:
         check_task(cfg)
     except PreflightError as err:
         raise ConfigError(str(err)) from None
+    except ModuleNotFoundError as err:  # a dataset source without `datasets`, math-verify rewards, ...
+        raise ConfigError(f"task: needs the {err.name} package, which is not installed: pip install"
+                          f" 'rlfleet[tasks]' (or change the task section of the config)") from None
     if cfg.models.policy.lora is not None and importlib.util.find_spec("peft") is None:
         raise ConfigError("models.policy.lora: LoRA needs the peft package: pip install 'rlfleet[lora]'")
 

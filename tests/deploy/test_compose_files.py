@@ -196,6 +196,8 @@ def test_prepare_writes_fleet_yaml_and_targets(tmp_path: Path, monkeypatch: pyte
     ({"task": {"source": "reasoning_gym", "name": "chain_sum", "params": {}, "eval_size": 8}}, "reasoning_gym",
      "reasoning-gym package"),
     ({"models": {"policy": {"build": {}, "lora": {"r": 4}}}}, "peft", "rlfleet[lora]"),
+    ({"task": {"source": "jsonl", "path": "{tmp}/d.jsonl", "params": {}, "eval_size": 1}}, "datasets",
+     "rlfleet[tasks]"),
 ])
 def test_prepare_refuses_a_config_whose_extra_the_image_lacks_naming_the_image(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -208,6 +210,9 @@ def test_prepare_refuses_a_config_whose_extra_the_image_lacks_naming_the_image(
     data = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
     for name, values in section.items():
         data[name].update(values)
+    if data["task"].get("path"):
+        data["task"]["path"] = data["task"]["path"].format(tmp=tmp_path)
+        Path(data["task"]["path"]).write_text('{"prompt": "1 + 1 =", "answer": "2"}\n' * 4)
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(data))
     find_spec, real_import = importlib.util.find_spec, builtins.__import__
@@ -217,7 +222,7 @@ def test_prepare_refuses_a_config_whose_extra_the_image_lacks_naming_the_image(
 
     def no_import(name: str, *a: Any, **k: Any) -> Any:
         if name.split(".")[0] == missing:
-            raise ImportError(f"No module named {missing!r}")
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(importlib.util, "find_spec", no_find)
