@@ -28,12 +28,18 @@
 #   PINNED           1 (default): the dependencies at the exact versions of constraints.txt (what `make
 #                    setup` installs; resolved on Python 3.11); 0: the newest pyproject.toml allows, e.g.
 #                    on a base image whose Python has no wheel for a pinned version.
+#   EXTRAS           pyproject.toml extras to add, comma-separated: "" (default, the base images) or
+#                    "tasks,track,lora" (the extras images: reasoning-gym and math-verify tasks, the
+#                    TensorBoard / W&B / MLflow trackers, LoRA through peft; `scripts/docker_build.sh
+#                    --extras` builds them as rlfleet/<service>:extras). The image's label
+#                    rlfleet.extras says which it has.
 #   RLFLEET_UID      uid of the non-root user the services run as (default 10001); bind-mounted data
 #                    folders must be writable by it.
 #
 # The builder stage installs into /opt/rlfleet (a venv); service images copy only that venv and the
-# source, so pip, wheels and caches never reach them. Layers: the OS (rarely changes), torch, the
-# dependencies from pyproject.toml, then the source (changes every commit) last.
+# source, so wheels and caches never reach them. Layers: the OS (rarely changes), torch, the
+# dependencies from pyproject.toml, the extras (EXTRAS; empty in the base images), then the source
+# (changes every commit) last.
 #
 # Builds need PyPI; on hosts whose network reaches it only from the host namespace, build with
 # `--network host` (docker-compose.yml does).
@@ -70,6 +76,34 @@ RUN set -eu; \
     pip check
 
 # ---------------------------------------------------------------------------------------------------
+# Wheels for the extras (EXTRAS) that the index has only as source, such as pycosat (C; reasoning-gym
+# needs it): built here, with a compiler from apt that never reaches the service images, which copy
+# only these wheels. Nothing happens when EXTRAS is "" (the base images).
+FROM builder AS extras-wheels
+ARG EXTRAS=
+ARG PIP_INDEX_URL=
+COPY docker/extras_requirements.py /tmp/src/
+RUN set -eu; \
+    mkdir -p /opt/extras-wheels; \
+    if [ -n "$EXTRAS" ]; then \
+      python /tmp/src/extras_requirements.py "$EXTRAS" /tmp/src/pyproject.toml > /tmp/extras.txt; \
+      pip install --quiet --dry-run --report /tmp/report.json ${PIP_INDEX_URL:+--index-url "$PIP_INDEX_URL"} \
+        -c /tmp/constraints.txt -r /tmp/extras.txt; \
+      python /tmp/src/extras_requirements.py --sdists /tmp/report.json > /tmp/sdists.txt; \
+      if [ -s /tmp/sdists.txt ]; then \
+        echo "extras built from source: $(tr '\n' ' ' < /tmp/sdists.txt)"; \
+        tools=""; \
+        command -v cc >/dev/null 2>&1 || tools="gcc libc6-dev"; \
+        python -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+          || tools="$tools python3-dev"; \
+        if [ -n "$tools" ]; then apt-get update -q && apt-get install -y -q --no-install-recommends $tools; fi; \
+        pip wheel --no-deps -w /opt/extras-wheels ${PIP_INDEX_URL:+--index-url "$PIP_INDEX_URL"} \
+          -c /tmp/constraints.txt -r /tmp/sdists.txt; \
+        if [ -n "$tools" ]; then apt-get purge -y -q --auto-remove $tools; apt-get clean; rm -rf /var/lib/apt/lists/*; fi; \
+      fi; \
+    fi
+
+# ---------------------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS app
 ARG RLFLEET_UID=10001
 ENV DEBIAN_FRONTEND=noninteractive
@@ -80,6 +114,31 @@ RUN sh /usr/local/bin/rlfleet-ensure-python \
  && chown -R "$RLFLEET_UID" /var/lib/rlfleet
 COPY --from=builder /opt/rlfleet /opt/rlfleet
 COPY docker/healthcheck.py /usr/local/lib/rlfleet/healthcheck.py
+# The extras image (EXTRAS=tasks,track,lora): the extras' dependencies installed into the venv as one
+# more layer, at the versions of constraints.txt (PINNED=1), wheels only (those built from source come
+# from the extras-wheels stage). Every layer above is the base image's (the ARG comes only now; the
+# wheel folder is empty there), the source below comes after, and all service targets share this
+# layer, so the extras set costs one layer over the base set. EXTRAS="" installs nothing.
+COPY --from=extras-wheels /opt/extras-wheels/ /tmp/extras-wheels/
+COPY pyproject.toml constraints.txt docker/extras_requirements.py /tmp/src/
+ARG EXTRAS=
+ARG PINNED=1
+ARG PIP_INDEX_URL=
+RUN set -eu; \
+    if [ -n "$EXTRAS" ]; then \
+      export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_DEFAULT_TIMEOUT=120; \
+      /opt/rlfleet/bin/python /tmp/src/extras_requirements.py "$EXTRAS" /tmp/src/pyproject.toml > /tmp/extras.txt; \
+      if [ "$PINNED" = 1 ]; then grep -v '^torch==' /tmp/src/constraints.txt > /tmp/constraints.txt; else : > /tmp/constraints.txt; fi; \
+      /opt/rlfleet/bin/pip install --only-binary :all: --find-links /tmp/extras-wheels \
+        ${PIP_INDEX_URL:+--index-url "$PIP_INDEX_URL"} -c /tmp/constraints.txt -r /tmp/extras.txt; \
+      /opt/rlfleet/bin/pip check; \
+      rm -f /tmp/extras.txt /tmp/constraints.txt; \
+    fi; \
+    rm -rf /tmp/extras-wheels
+LABEL rlfleet.extras="${EXTRAS}"
+# Read by `python -m services.prepare`: in a base image a config that needs an extra is told which
+# image to use.
+ENV RLFLEET_IMAGE_EXTRAS="${EXTRAS}"
 COPY examples/ /app/examples/
 COPY services/ /app/services/
 ENV PATH=/opt/rlfleet/bin:$PATH \

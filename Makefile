@@ -13,7 +13,7 @@ PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 # The throwaway venv `make constraints` resolves in.
 FRESH_VENV ?= .venv-constraints
 
-.PHONY: setup constraints redis run run-local test test-unit test-serial proto proto-check layout lint bench images test-deploy clean
+.PHONY: setup constraints redis run run-local test test-unit test-serial proto proto-check layout lint bench images images-extras test-deploy clean
 
 setup: $(BIN)/rlfleet redis
 
@@ -86,8 +86,13 @@ bench: setup
 images:
 	scripts/docker_build.sh
 
+# The same images plus the tasks, track and lora extras (reasoning-gym, TensorBoard / W&B / MLflow,
+# peft) as one more layer, tagged rlfleet/<service>:extras: `make images` first, for its layers.
+images-extras: images
+	scripts/docker_build.sh --extras
+
 # Installs Docker (scripts/docker_engine.sh) when it is missing, debootstraps the base image and builds
-# every service image (about 3.5 GB left in Docker's storage; `docker image prune` frees it).
+# every service image, base and extras (about 4 GB left in Docker's storage; `docker image prune` frees it).
 test-deploy: setup
 	$(BIN)/pytest -q tests/deploy $(PYTEST_ARGS)
 

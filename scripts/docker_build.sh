@@ -5,7 +5,13 @@
 #   3. rlfleet/<service>:local, rlfleet/redis:local, rlfleet/prometheus:local
 #                                       `compose build` (layers cached between runs)
 #
-#   scripts/docker_build.sh [-f docker-compose.cpu.yml] [SERVICE...]
+#   scripts/docker_build.sh [-f docker-compose.cpu.yml] [--extras] [SERVICE...]
+#
+# --extras builds the extras images instead: the same images plus one layer with the `tasks`, `track`
+# and `lora` extras of pyproject.toml (reasoning-gym and math-verify, TensorBoard / W&B / MLflow, peft),
+# pinned by constraints.txt, tagged rlfleet/<service>:extras (run them with RLFLEET_TAG=extras).
+# RLFLEET_EXTRAS picks other extras (e.g. tasks,track,lora,gguf), RLFLEET_TAG another tag. Build the
+# base images first (or in the same cache): the extras images reuse every one of their layers.
 #
 # Uses `docker compose` when the plugin is there, else `docker-compose` (Debian's v1). Extra
 # environment is passed through to compose (RLFLEET_TORCH_SPEC, RLFLEET_GPU_BASE_IMAGE, ...).
@@ -13,7 +19,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 FILE=docker-compose.cpu.yml
-if [ "${1:-}" = "-f" ]; then FILE="$2"; shift 2; fi
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -f) FILE="$2"; shift 2 ;;
+    --extras)
+      export RLFLEET_EXTRAS="${RLFLEET_EXTRAS:-tasks,track,lora}" RLFLEET_TAG="${RLFLEET_TAG:-extras}"
+      shift ;;
+    *) break ;;
+  esac
+done
+if [ -n "${RLFLEET_EXTRAS:-}" ]; then
+  echo "docker_build: extras ${RLFLEET_EXTRAS} as rlfleet/<service>:${RLFLEET_TAG:-local}"
+fi
 
 scripts/docker_engine.sh
 t0=$(date +%s)
@@ -54,4 +71,4 @@ for s in CONTROLLER ACTOR CRITIC REWARD REFERENCE; do
 done
 "${COMPOSE[@]}" -f "$FILE" --profile critic --profile reference build "$@"
 t2=$(date +%s)
-echo "docker_build: base $((t1 - t0))s, service images $((t2 - t1))s"
+echo "docker_build: base $((t1 - t0))s, service images $((t2 - t1))s (tag ${RLFLEET_TAG:-local})"

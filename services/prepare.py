@@ -13,6 +13,11 @@ RUN_DIR/prometheus/targets.json (Prometheus file service discovery: one target p
 port). Running it again on the same run directory keeps the existing model and rewrites the files
 identically: a restarted deployment resumes its run.
 
+It first checks, as `rlfleet up` does, that the run's trackers, task and LoRA have their packages:
+a config that needs an extra the image lacks (the base images have none; the extras images,
+`scripts/docker_build.sh --extras`, have tasks, track and lora) fails here with one line naming it
+and the image to use, before any service starts.
+
     python -m services.prepare wait --config RUN_DIR/fleet.yaml [--timeout S] -- CMD...
 
 waits until every service the algorithm needs (except the controller) answers /readyz, then
@@ -63,6 +68,7 @@ def prepare(cfg: RunConfig, redis_url: str | None, *, password_env: str | None =
     if token_env and not data["security"].get("token_env"):
         data["security"]["token_env"] = token_env
     cfg = parse_config(data, source="prepare")
+    check_packages(cfg)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     resolved = resolve_fleet_config(cfg, redis_url)
     if resolved.redis.url is None:
@@ -74,6 +80,34 @@ def prepare(cfg: RunConfig, redis_url: str | None, *, password_env: str | None =
     _write(resolved.run_dir / "fleet.yaml", yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False))
     _write(resolved.run_dir / "prometheus" / "targets.json", json.dumps(prometheus_targets(resolved), indent=2))
     return resolved
+
+
+def check_packages(cfg: RunConfig) -> None:
+    """The optional packages the config needs are installed: its trackers, its task (built, so its
+    parameters are checked too), peft for LoRA. Raises ConfigError with one line."""
+    import importlib.util
+
+    from services.core.observability.trackers import check_trackers
+    from services.preflight import PreflightError, check_task
+
+    check_trackers(cfg.run.trackers)
+    try:
+        check_task(cfg)
+    except PreflightError as err:
+        raise ConfigError(str(err)) from None
+    except ModuleNotFoundError as err:  # a dataset source without `datasets`, math-verify rewards, ...
+        raise ConfigError(f"task: needs the {err.name} package, which is not installed: pip install"
+                          f" 'rlfleet[tasks]' (or change the task section of the config)") from None
+    if cfg.models.policy.lora is not None and importlib.util.find_spec("peft") is None:
+        raise ConfigError("models.policy.lora: LoRA needs the peft package: pip install 'rlfleet[lora]'")
+
+
+def _image_hint(message: str) -> str:
+    """In a base image (RLFLEET_IMAGE_EXTRAS set and empty), a missing package means the wrong image."""
+    if os.environ.get("RLFLEET_IMAGE_EXTRAS") == "" and "package" in message:
+        return (" (this image has none of the extras: run the extras images, built by"
+                " `scripts/docker_build.sh --extras`, with RLFLEET_TAG=extras)")
+    return ""
 
 
 def _ready(cfg: RunConfig, name: str) -> bool:
@@ -127,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = prepare(cfg, args.redis_url, password_env=password_env, token_env=token_env,
                       build_models=not args.no_models)
     except ConfigError as err:
-        print(str(err), file=sys.stderr)
+        print(f"prepare: {err}{_image_hint(str(err))}", file=sys.stderr)
         return 2
     ports = ", ".join(f"{n} grpc {out.endpoint(n).grpc_port} http {out.endpoint(n).http_port}"
                       for n in out.services_needed())

@@ -1,5 +1,7 @@
 """The compose stack end to end on this host: local images, CPU profile, a PPO run with a critic
-hot swap, audit from the host, fleet metrics through Prometheus.
+hot swap, audit from the host, fleet metrics through Prometheus; then the extras images
+(`scripts/docker_build.sh --extras`) running GRPO with a reference on a reasoning-gym task, through
+LoRA, with the TensorBoard, W&B (offline) and MLflow (file store) trackers.
 
 Needs a Docker engine (started here when none runs and we are root: scripts/docker_engine.sh) and
 PyPI for the image builds; skipped, saying why, when an engine cannot be had. Image builds are
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -28,7 +31,9 @@ import pytest
 import yaml
 
 from services.core.host.redis_proc import free_port
+from services.core.observability.trackers import read_state
 from services.plan import plan_main
+from tests.tracker_readers import expected_rows, mlflow_rows, tensorboard_rows, wandb_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -37,6 +42,14 @@ COMPOSE_FILE = ROOT / "docker-compose.cpu.yml"
 STEPS = 40  # enough that the critic is recreated mid-run even when steps take ~0.2 s
 SERVICES = ("controller", "actor", "critic", "reward", "reference")
 TIMINGS: dict[str, float] = {}
+# The extras images: what they add over the base ones, the run on them (GRPO with KL: controller,
+# actor, reward, reference), and the trackers it writes into the run directory (no network).
+EXTRAS = "tasks,track,lora"
+EXTRAS_STEPS = 6
+EXTRAS_SERVICES = ("controller", "actor", "reward", "reference")
+TRACKERS = [{"kind": "tensorboard"}, {"kind": "wandb", "mode": "offline", "project": "rlfleet-compose"},
+            {"kind": "mlflow", "experiment": "rlfleet-compose"}]
+EXTRAS_TIMINGS: dict[str, float] = {}
 
 
 def _run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float, check: bool = True,
@@ -92,6 +105,26 @@ def images(compose: list[str]) -> None:
     TIMINGS["service_images_s"] = time.monotonic() - t0
 
 
+@pytest.fixture(scope="module")
+def extras_images(images: None) -> None:
+    """The extras images, over the base images' layers (built first, by `images`)."""
+    t0 = time.monotonic()
+    p = _run(["bash", str(ROOT / "scripts" / "docker_build.sh"), "-f", str(COMPOSE_FILE), "--extras"],
+             env=dict(os.environ, RLFLEET_EXTRAS=EXTRAS, RLFLEET_TAG="extras"), timeout=900, check=False)
+    if p.returncode != 0:
+        pytest.fail(f"extras image build failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    EXTRAS_TIMINGS["extras_images_s"] = time.monotonic() - t0
+
+
+def _ports(names: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """Fixed (in the config), distinct, and free on this host right now."""
+    ports: set[int] = set()
+    while len(ports) < 2 * len(names):
+        ports.add(free_port())
+    it = iter(sorted(ports))
+    return {n: {"grpc_port": next(it), "http_port": next(it)} for n in names}
+
+
 def _tiny_ppo(path: Path) -> dict[str, Any]:
     data = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
     data["run"].update(name="compose", max_steps=STEPS)
@@ -100,12 +133,24 @@ def _tiny_ppo(path: Path) -> dict[str, Any]:
     data["task"]["eval_size"] = 8
     # No cadence checkpoints: the only critic checkpoint is the one its drain writes.
     data["checkpoint"] = {"every": 1000, "keep": 100}
-    # Fixed (in the config), distinct, and free on this host right now.
-    ports: set[int] = set()
-    while len(ports) < 2 * len(SERVICES):
-        ports.add(free_port())
-    it = iter(sorted(ports))
-    data["services"] = {n: {"grpc_port": next(it), "http_port": next(it)} for n in SERVICES}
+    data["services"] = _ports(SERVICES)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return data
+
+
+def _tiny_extras(path: Path) -> dict[str, Any]:
+    """The LoRA example on reasoning-gym's chain_sum (2-3 terms of 1-2 digits, the last number written
+    is the answer), with every tracker, a held-out evaluation halfway and at the end."""
+    data = yaml.safe_load((ROOT / "examples" / "tiny-cpu-lora.yaml").read_text())
+    data["run"].update(name="compose-extras", max_steps=EXTRAS_STEPS, eval_every=EXTRAS_STEPS // 2,
+                       trackers=TRACKERS)
+    data["task"] = {"source": "reasoning_gym", "name": "chain_sum", "eval_size": 8,
+                    "params": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2,
+                               "answer_from": "last_number"}}
+    data["algo"].update(group_size=2, kl_coef=0.05)  # kl_coef > 0: the reference runs
+    data["generation"]["max_new_tokens"] = 6
+    data["batch"] = {"prompts_per_step": 8, "prompts_per_message": 4}
+    data["services"] = _ports(EXTRAS_SERVICES)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return data
 
@@ -122,10 +167,11 @@ def _state(name: str) -> dict[str, Any]:
     return json.loads(out.stdout)[0]
 
 
-@pytest.fixture
-def stack(compose: list[str], images: None, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    cfg_path = tmp_path / "tiny-ppo.yaml"
-    cfg = _tiny_ppo(cfg_path)
+@contextlib.contextmanager
+def _stack(compose: list[str], tmp_path: Path, cfg_path: Path, cfg: dict[str, Any], *, tag: str = "local",
+           timings: dict[str, float] = TIMINGS) -> Iterator[dict[str, Any]]:
+    """A compose project for `cfg` on the images tagged `tag` (not started yet); logs kept, and
+    everything removed, at the end."""
     inventory = tmp_path / "no-gpus.yaml"
     inventory.write_text("gpus: []\n")
     env_file = tmp_path / "plan.env"
@@ -139,9 +185,11 @@ def stack(compose: list[str], images: None, tmp_path: Path) -> Iterator[dict[str
                RLFLEET_DATA_DIR=str(data),
                RLFLEET_REDIS_PORT=str(free_port()),
                RLFLEET_PROMETHEUS_PORT=str(free_port()),
+               RLFLEET_TAG=tag,
                COMPOSE_PROJECT_NAME=project)
+    env.pop("RLFLEET_EXTRAS", None)  # nothing is built here: `up` runs the images `tag` names
     base = [*compose, "-f", str(COMPOSE_FILE), "--env-file", str(env_file), "-p", project]
-    info = {"cfg": cfg, "env": env, "base": base, "project": project, "run_dir": data / "run",
+    info = {"cfg": cfg, "cfg_path": cfg_path, "env": env, "base": base, "project": project, "run_dir": data / "run",
             "ctl": f"http://127.0.0.1:{cfg['services']['controller']['http_port']}"}
     try:
         yield info
@@ -150,7 +198,21 @@ def stack(compose: list[str], images: None, tmp_path: Path) -> Iterator[dict[str
         (tmp_path / "compose.log").write_text(logs.stdout + logs.stderr)
         t0 = time.monotonic()
         _run([*base, "down", "-v", "--remove-orphans", "--timeout", "60"], env=env, timeout=300, check=False)
-        TIMINGS["down_s"] = time.monotonic() - t0
+        timings["down_s"] = time.monotonic() - t0
+
+
+@pytest.fixture
+def stack(compose: list[str], images: None, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    cfg_path = tmp_path / "tiny-ppo.yaml"
+    with _stack(compose, tmp_path, cfg_path, _tiny_ppo(cfg_path)) as info:
+        yield info
+
+
+@pytest.fixture
+def extras_stack(compose: list[str], extras_images: None, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    cfg_path = tmp_path / "tiny-extras.yaml"
+    with _stack(compose, tmp_path, cfg_path, _tiny_extras(cfg_path), tag="extras", timings=EXTRAS_TIMINGS) as info:
+        yield info
 
 
 def _container(info: dict[str, Any], service: str) -> str:
@@ -263,3 +325,120 @@ def test_compose_stack_runs_hot_swaps_the_critic_and_passes_audit(stack: dict[st
     # the directory it is given, wherever the volume is mounted now.
     assert audit.returncode == 0, f"rlfleet audit failed:\n{audit.stdout[-4000:]}\n{audit.stderr[-2000:]}"
 
+
+
+def _rows_equal(got: dict[int, dict[str, float]], want: dict[int, dict[str, float]], tracker: str) -> None:
+    assert sorted(got) == sorted(want), (tracker, sorted(got), sorted(want))
+    for step, row in want.items():
+        assert got[step] == row, (tracker, step, {k: (got[step].get(k), v) for k, v in row.items()
+                                                  if got[step].get(k) != v})
+
+
+@pytest.mark.timeout(1200)
+def test_extras_images_train_a_reasoning_gym_task_through_lora_with_trackers(extras_stack: dict[str, Any]) -> None:
+    info, env, base, run_dir = extras_stack, extras_stack["env"], extras_stack["base"], extras_stack["run_dir"]
+    t_all = time.monotonic()
+
+    # The extras images say what they hold; the base images hold none of it.
+    for svc in (*EXTRAS_SERVICES, "prepare"):
+        labels = {tag: json.loads(_run(["docker", "image", "inspect", f"rlfleet/{svc}:{tag}"], timeout=30).stdout)[0]
+                  ["Config"]["Labels"].get("rlfleet.extras") for tag in ("extras", "local")}
+        assert labels == {"extras": EXTRAS, "local": ""}, (svc, labels)
+    sizes = {tag: int(_run(["docker", "image", "inspect", "-f", "{{.Size}}", f"rlfleet/actor:{tag}"],
+                           timeout=30).stdout) for tag in ("local", "extras")}
+    EXTRAS_TIMINGS["extras_added_mb"] = (sizes["extras"] - sizes["local"]) / 1e6
+
+    # The base image's prepare refuses this config in one line that names the image to use.
+    t0 = time.monotonic()
+    p = _run(["docker", "run", "--rm", "--network", "none", "-v", f"{info['cfg_path']}:/etc/rlfleet/config.yaml:ro",
+              "rlfleet/prepare:local", "--config", "/etc/rlfleet/config.yaml", "--run-dir", "/tmp/run",
+              "--redis-url", "redis://127.0.0.1:1/0", "--no-models"], timeout=120, check=False)
+    assert p.returncode == 2 and "scripts/docker_build.sh --extras" in p.stderr, (p.returncode, p.stderr[-2000:])
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    EXTRAS_TIMINGS["base_refuses_s"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    p = _run([*base, "up", "-d"], env=env, timeout=600, check=False)
+    if p.returncode != 0:
+        ps = _run([*base, "ps"], env=env, timeout=60, check=False)
+        raise AssertionError(f"compose up exited {p.returncode}: {p.stderr[-1500:]}\n{ps.stdout}\n{_logs(info)}")
+    EXTRAS_TIMINGS["up_s"] = time.monotonic() - t0
+    # GRPO with KL: the reference runs, the critic (profile `critic`) does not.
+    assert not _run([*base, "ps", "-q", "critic"], env=env, timeout=60).stdout.split()
+    for svc in EXTRAS_SERVICES:
+        image = _state(_container(info, svc))["Config"]["Image"]
+        assert image == f"rlfleet/{svc}:extras", (svc, image)
+
+    ctl = _container(info, "controller")
+    t0 = time.monotonic()
+    st = _wait("the controller to exit", lambda: (s := _state(ctl).get("State") or {}).get("Status") == "exited" and s,
+               600, info, poll=2.0)
+    EXTRAS_TIMINGS["run_s"] = time.monotonic() - t0
+    assert st["ExitCode"] == 0, f"controller exited {st['ExitCode']}\n{_logs(info, 'controller', 'actor')}"
+
+    # The run: every step of the reasoning-gym task, scored and evaluated held-out.
+    fleet = yaml.safe_load((run_dir / "fleet.yaml").read_text())
+    assert (fleet["task"]["source"], fleet["task"]["name"]) == ("reasoning_gym", "chain_sum")
+    want = expected_rows(run_dir)
+    assert sorted(want) == list(range(1, EXTRAS_STEPS + 1)), sorted(want)
+    assert "eval_accuracy" in want[EXTRAS_STEPS] and "kl_loss" in want[1], sorted(want[EXTRAS_STEPS])
+    # The held-out problems are chain_sum's ("... problem: 15 - 43 - 75 ="), with its answers, scored
+    # in the reward container as reasoning-gym's scorer does here (the last number written is the
+    # answer; a wrong sign earns half).
+    from reasoning_gym.utils import compute_decimal_reward
+
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines() if x.strip()]
+    assert {s["step"] for s in samples} == {0, EXTRAS_STEPS // 2, EXTRAS_STEPS}, sorted({s["step"] for s in samples})
+    for s in samples:
+        expr = s["prompt"].rsplit(":", 1)[1].strip().rstrip("=").strip()
+        assert re.fullmatch(r"\d+( [+-] \d+){1,2}", expr), s["prompt"]
+        assert int(s["answer"]) == eval(expr), s  # digits, + and - only
+        numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", s["completion"])
+        given = numbers[-1].rstrip(",") if numbers else None
+        assert s["reward"] == compute_decimal_reward(given, oracle_answer=s["answer"], strip_commas=True), s
+
+    # Every tracker holds every row, read back with its own reader, and none was disabled.
+    t0 = time.monotonic()
+    tb, tb_params = tensorboard_rows(run_dir / "tensorboard")
+    _rows_equal(tb, want, "tensorboard")
+    wb, wb_config, _ = wandb_rows(run_dir)
+    _rows_equal(wb, want, "wandb")
+    ml, ml_params, status = mlflow_rows(run_dir, f"file:{run_dir / 'mlruns'}", set(want[1]))
+    _rows_equal(ml, want, "mlflow")
+    assert status == "FINISHED"
+    assert tb_params["task.name"] == "chain_sum" and ml_params["task.name"] == "chain_sum"
+    assert wb_config["task"]["name"] == "chain_sum"
+    state = read_state(run_dir)
+    assert "disabled" not in state, state
+    assert {n: t["rows"] for n, t in state["timing"].items()} == {t["kind"]: EXTRAS_STEPS for t in TRACKERS}
+    EXTRAS_TIMINGS["read_trackers_s"] = time.monotonic() - t0
+
+    # LoRA: the actor, stopped (SIGTERM: it drains and checkpoints), exits 0 and has checkpointed the
+    # last version, adapters only; exported on the host (the volume mounted elsewhere), it is a
+    # plain model directory of that version.
+    from safetensors import safe_open
+
+    actor = _container(info, "actor")
+    t0 = time.monotonic()
+    _run([*base, "stop", "-t", "120", "actor"], env=env, timeout=300)
+    EXTRAS_TIMINGS["actor_stop_s"] = time.monotonic() - t0
+    assert (_state(actor).get("State") or {}).get("ExitCode") == 0, _logs(info, "actor")
+    ckpts = run_dir / "checkpoints" / "actor"
+    assert (ckpts / "latest").read_text().strip() == f"v{EXTRAS_STEPS:08d}"
+    with safe_open(str(ckpts / f"v{EXTRAS_STEPS:08d}" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all("lora_" in k for k in keys), keys[:5]
+    out = run_dir.parent / "export"
+    t0 = time.monotonic()
+    _run([sys.executable, "-m", "services.cli", "export", "--run-dir", str(run_dir), "--out", str(out)], timeout=300)
+    EXTRAS_TIMINGS["export_s"] = time.monotonic() - t0
+    assert json.loads((out / "rlfleet_export.json").read_text())["version"] == EXTRAS_STEPS
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        merged = list(f.keys())
+    assert merged and not any("lora_" in k for k in merged)
+
+    audit = _run([sys.executable, "-m", "services.cli", "audit", "--run-dir", str(run_dir), "--finished"],
+                 timeout=120, check=False)
+    EXTRAS_TIMINGS["test_s"] = time.monotonic() - t_all
+    print("\ncompose extras timings: " + json.dumps({k: round(v, 1) for k, v in EXTRAS_TIMINGS.items()}))
+    assert audit.returncode == 0, f"rlfleet audit failed:\n{audit.stdout[-4000:]}\n{audit.stderr[-2000:]}"

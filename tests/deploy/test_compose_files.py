@@ -191,6 +191,55 @@ def test_prepare_writes_fleet_yaml_and_targets(tmp_path: Path, monkeypatch: pyte
     assert again == fleet
 
 
+@pytest.mark.parametrize("section,missing,needs", [
+    ({"run": {"trackers": [{"kind": "tensorboard"}]}}, "tensorboard", "rlfleet[track]"),
+    ({"task": {"source": "reasoning_gym", "name": "chain_sum", "params": {}, "eval_size": 8}}, "reasoning_gym",
+     "reasoning-gym package"),
+    ({"models": {"policy": {"build": {}, "lora": {"r": 4}}}}, "peft", "rlfleet[lora]"),
+    ({"task": {"source": "jsonl", "path": "{tmp}/d.jsonl", "params": {}, "eval_size": 1}}, "datasets",
+     "rlfleet[tasks]"),
+])
+def test_prepare_refuses_a_config_whose_extra_the_image_lacks_naming_the_image(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        section: dict[str, Any], missing: str, needs: str) -> None:
+    import builtins
+    import importlib.util
+
+    from services.prepare import main
+
+    data = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    for name, values in section.items():
+        data[name].update(values)
+    if data["task"].get("path"):
+        data["task"]["path"] = data["task"]["path"].format(tmp=tmp_path)
+        Path(data["task"]["path"]).write_text('{"prompt": "1 + 1 =", "answer": "2"}\n' * 4)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    find_spec, real_import = importlib.util.find_spec, builtins.__import__
+
+    def no_find(name: str, *a: Any, **k: Any) -> Any:
+        return None if name.split(".")[0] == missing else find_spec(name, *a, **k)
+
+    def no_import(name: str, *a: Any, **k: Any) -> Any:
+        if name.split(".")[0] == missing:
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_find)
+    monkeypatch.setattr(builtins, "__import__", no_import)
+    argv = ["--config", str(cfg), "--run-dir", str(tmp_path / "run"), "--redis-url", "redis://127.0.0.1:1/0",
+            "--no-models"]
+    monkeypatch.setenv("RLFLEET_IMAGE_EXTRAS", "")  # a base image
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needs in err and "scripts/docker_build.sh --extras" in err, err
+    assert not (tmp_path / "run" / "fleet.yaml").exists()
+    monkeypatch.delenv("RLFLEET_IMAGE_EXTRAS")  # not in an image: the package is named, no image
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needs in err and "docker_build" not in err, err
+
+
 class _Ready(http.server.BaseHTTPRequestHandler):
     code = 200
 
@@ -234,3 +283,63 @@ def test_scripts_parse() -> None:
         subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True)
     for script in ("redis-entry.sh", "ensure_python.sh"):
         subprocess.run(["sh", "-n", str(ROOT / "docker" / script)], check=True)
+
+
+EXTRAS_SCRIPT = ROOT / "docker" / "extras_requirements.py"
+
+
+def _extras(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(EXTRAS_SCRIPT), *args], capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def test_the_extras_image_installs_the_extras_of_pyproject() -> None:
+    import tomllib
+
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    p = _extras("tasks,track,lora", str(ROOT / "pyproject.toml"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == optional["tasks"] + optional["track"] + optional["lora"]
+    # An extra naming others (`rlfleet[tasks]`) is expanded, each requirement once.
+    dev = _extras("dev", str(ROOT / "pyproject.toml")).stdout.split()
+    assert not any(r.startswith("rlfleet[") for r in dev) and len(dev) == len(set(dev))
+    assert set(optional["tasks"]) | set(optional["lora"]) | set(optional["track"]) <= set(dev)
+    bad = _extras("tasks,trak", str(ROOT / "pyproject.toml"))
+    assert bad.returncode == 2 and "no extra 'trak'" in bad.stderr and "track" in bad.stderr
+
+
+def test_extras_built_from_source_are_read_from_pips_report(tmp_path: Path) -> None:
+    report = {"install": [
+        {"metadata": {"name": "pycosat", "version": "0.6.6"},
+         "download_info": {"url": "https://files.example/pycosat-0.6.6.tar.gz#sha256=00"}},
+        {"metadata": {"name": "peft", "version": "0.21.2"},
+         "download_info": {"url": "https://files.example/peft-0.21.2-py3-none-any.whl#sha256=00"}},
+        {"metadata": {"name": "zss", "version": "1.2.0"}, "download_info": {"url": "https://files.example/zss-1.2.0.zip"}},
+    ]}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    p = _extras("--sdists", str(path))
+    assert p.returncode == 0 and p.stdout.split() == ["pycosat==0.6.6", "zss==1.2.0"], (p.stdout, p.stderr)
+
+
+def test_the_extras_are_one_layer_over_the_base_images() -> None:
+    stages = _dockerfile_stages()
+    # The base images' layers know nothing of EXTRAS: the builder never reads it, and in the app
+    # stage it is declared only after the venv is copied, and before the source.
+    assert not any("EXTRAS" in x for x in stages["builder"])
+    app = stages["app"]
+    venv = next(i for i, x in enumerate(app) if x.startswith("COPY --from=builder /opt/rlfleet"))
+    arg = app.index("ARG EXTRAS=")
+    source = next(i for i, x in enumerate(app) if x.startswith("COPY services/"))
+    assert venv < arg < source
+    install = next(x for x in app[arg:] if x.startswith("RUN") and "EXTRAS" in x)
+    assert "-c /tmp/constraints.txt" in install and "pip check" in install and "--only-binary :all:" in install
+    assert any(x.startswith("LABEL rlfleet.extras=") for x in app)
+    # The compiler for source-only extras stays in the wheel stage.
+    assert "gcc" in " ".join(stages["extras-wheels"]) and "gcc" not in " ".join(app)
+    for path in (GPU_FILE, CPU_FILE):
+        data = _compose(path)
+        for anchor in ("x-gpu-build", "x-slim-build"):
+            assert data[anchor]["args"]["EXTRAS"] == "${RLFLEET_EXTRAS:-}", (path.name, anchor)
+    build = (ROOT / "scripts" / "docker_build.sh").read_text()
+    assert 'RLFLEET_EXTRAS="${RLFLEET_EXTRAS:-tasks,track,lora}" RLFLEET_TAG="${RLFLEET_TAG:-extras}"' in build

@@ -1,6 +1,7 @@
 """The services run on the base install: importing any of them pulls in none of the optional extras
-(LoRA, trackers, tasks, vLLM, TRL), which only a run that configures them imports. The Docker images
-install the base dependencies only, so an unconditional import there is a service that cannot start."""
+(LoRA, trackers, tasks, vLLM, TRL), which only a run that configures them imports. The base Docker
+images install the base dependencies only (the extras images add tasks, track and lora), so an
+unconditional import there is a service that cannot start."""
 
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 The checkpoint (`RUN_DIR/checkpoints/actor/vNNNNNNNN/model.safetensors`, see checkpoint.py) holds the
 policy's state dict only; the architecture, generation config, tokenizer and chat template live in
 the base model directory the run started from (`models.policy.path` in `RUN_DIR/fleet.yaml` or
-`RUN_DIR/local.yaml`, the resolved configs of a fleet and a local run, or `RUN_DIR/models/policy`).
+`RUN_DIR/local.yaml`, the resolved configs of a fleet and a local run, or `RUN_DIR/models/policy`;
+paths there inside the run directory they recorded are looked up under the RUN_DIR given, so a
+compose run's volume exports on the host, where it is mounted elsewhere).
 An export loads the base architecture, loads the verified checkpoint into it, and writes both, so
 `AutoModelForCausalLM.from_pretrained(out)` scores exactly like the trainer. The output is written
 beside its target and renamed into place: never a half-written export.
@@ -96,7 +98,17 @@ def _fleet_policy_and_checkpoints(run_dir: Path) -> tuple[Path | None, Path, Mod
     except ConfigError as err:
         raise ExportError(f"cannot read {resolved}: {str(err).splitlines()[0]}") from None
     path = Path(cfg.models.policy.path) if cfg.models.policy.path else None
-    return path, cfg.checkpoint_dir, cfg.models.policy
+    return (_moved(path, cfg.run_dir, run_dir) if path else None, _moved(cfg.checkpoint_dir, cfg.run_dir, run_dir),
+            cfg.models.policy)
+
+
+def _moved(path: Path, recorded: Path, run_dir: Path) -> Path:
+    """A path inside the run directory the config recorded, found under `run_dir` instead: a run read
+    through another mount point (a container's volume, exported on the host) or moved since."""
+    try:
+        return run_dir / path.relative_to(recorded)
+    except ValueError:
+        return path
 
 
 def find_base(run_dir: Path) -> Path:
