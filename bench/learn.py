@@ -76,9 +76,10 @@ W: dict[str, Any] = {
 }
 # Reasoning-gym generators and their parameters: the example's basic_arithmetic (the whole completion is
 # the answer: the untrained model, which answers in sentences, scores 0%), and chain_sum of 2-3 terms of
-# 1-2 digits read as the last number the completion writes (no partial credit): the untrained model
-# scores 13% greedy there (CPU, fp32, 2026-12-04), inside the 0-30%. At chain_sum's defaults
-# (2-6 terms of 1-4 digits) it scored 3.5% that way and 0% with the whole completion as the answer.
+# 1-2 digits read as the last number the completion writes (reasoning-gym scores a wrong sign 0.5;
+# accuracy counts only rewards at the task's correct_at): the untrained model scores 13% greedy there
+# (CPU, fp32, 2026-12-04), inside the 0-30%. At chain_sum's defaults (2-6 terms of 1-4 digits)
+# it scored 3.5% that way and 0% with the whole completion as the answer.
 TASKS: dict[str, dict[str, Any]] = {
     "basic_arithmetic": {"params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}},
     "chain_sum": {"params": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2,
