@@ -499,6 +499,16 @@ def _terminated(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(f"terminated by {signal.Signals(signum).name}")
 
 
+def _device_name() -> str:
+    """The GPU a run had (an H100 and an H200 give different clocks: runs compare on one kind)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "cpu"
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "cpu"
+
+
 def parse_runs(text: str) -> list[tuple[str, int]]:
     """`trl:0,fleet:0` -> [("trl", 0), ("fleet", 0)]; a bad item is an error naming it."""
     runs = []
@@ -553,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         res = {"framework": args.phase, "ok": False, "error": f"{type(err).__name__}: {err}",
                "traceback": traceback.format_exc()}
-    res.update(name=name, run=args.phase, seed=args.seed, task=args.task)
+    res.update(name=name, run=args.phase, seed=args.seed, task=args.task, device=_device_name())
     write_json(args.out / f"{name}.json", res)
     say(f"{name}: ok={res['ok']} points={len(res.get('points', []))} error={res.get('error')}")
     return 0 if res["ok"] else 1

@@ -3,6 +3,7 @@
 
     python -m bench.replica_check --out DIR          # on the GPU host (vLLM installed)
     python -m bench.replica_check --out DIR --transfer collective   # weights by broadcast (gloo, staged)
+    python -m bench.replica_check --out DIR --transfer collective --sweep-mb 16,64,256   # + sync s per bucket size
     BENCH_DRY=1 python -m bench.replica_check --out DIR   # CPU dry run of the script (transformers engine)
 
 It drives exactly the actor's path: `make_engine(..., replicas=2, **generation.engine_kwargs())` builds
@@ -83,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.replica_check")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--transfer", choices=["ipc", "collective"], default="ipc")
+    ap.add_argument("--sweep-mb", default="",
+                    help="collective: then time two syncs per bucket size (MiB, comma-separated)")
     a = ap.parse_args(argv)
+    sweep = [int(x) for x in a.sweep_mb.split(",") if x.strip()]
+    if sweep and a.transfer != "collective":
+        ap.error("--sweep-mb needs --transfer collective (by-reference syncs have no buckets)")
     a.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
     import torch
@@ -161,9 +167,24 @@ def main(argv: list[str] | None = None) -> int:
         rounds.append({"version": version, "sync_s": round(sync_s, 3), "checksums": sums, "replicas": per,
                        "memory": mem, "checks": checks})
         say(f"version {version}: sync {sync_s:.2f}s, checks {checks}")
+    swept: list[dict[str, Any]] = []
+    version = SYNCS
+    for mb in sweep if ok else []:
+        for e in engine.engines:
+            e.transfer_bucket_bytes = mb * 2**20  # type: ignore[attr-defined]
+        for _ in range(2):  # the first sync of a size may grow the host buffers: the second is the figure
+            version += 1
+            t = time.perf_counter()
+            engine.update_weights(policy.state_dict().items(), version)  # checksums checked: raises on a mismatch
+            row = {"bucket_mb": mb, "version": version, "sync_s": round(time.perf_counter() - t, 3),
+                   "replicas": [{k: round(float(v), 4) for k, v in (getattr(e, "last_sync", {}) or {}).items()}
+                                for e in engine.engines]}
+            swept.append(row)
+            say(f"bucket {mb} MiB, version {version}: sync {row['sync_s']:.2f}s")
     total = torch.cuda.get_device_properties(0).total_memory if not DRY and torch.cuda.is_available() else None
     result = {"ok": ok, "dry": DRY, "replicas": 2, "weight_transfer": a.transfer, "gpu_memory_utilization": UTIL,
-              "per_replica_share": UTIL / 2, "gpu_total_bytes": total, "rounds": rounds,
+              "per_replica_share": UTIL / 2, "gpu_total_bytes": total, "rounds": rounds, "sweep": swept,
+              "device": torch.cuda.get_device_name(0) if not DRY and torch.cuda.is_available() else "cpu",
               "describe": engine.describe()}
     engine.close()
     out = a.out / ("replica-check.json" if a.transfer == "ipc" else f"replica-check-{a.transfer}.json")

@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_replica_check_dry_run_syncs_both_replicas_by_broadcast(tmp_path: Path) -> None:
     env = {**os.environ, "BENCH_DRY": "1", "BENCH_WORK": str(tmp_path / "work")}
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "bench.replica_check", "--out", str(out), "--transfer", "collective"],
+    p = subprocess.run([sys.executable, "-m", "bench.replica_check", "--out", str(out), "--transfer", "collective",
+                        "--sweep-mb", "1,2"],
                        env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     result = json.loads((out / "replica-check-collective.json").read_text())
@@ -32,3 +33,7 @@ def test_replica_check_dry_run_syncs_both_replicas_by_broadcast(tmp_path: Path) 
     sums = [x for r in result["rounds"] for x in r["checksums"]]
     assert [x["replica"] for x in sums] == [0, 1, 0, 1] and all(x["checked"] > 0 and x["unpaired"] == 0 for x in sums)
     assert {m["weight_transfer"] for m in result["describe"]["members"]} == {"collective"}
+    # The bucket sweep: two timed syncs per size, each reaching both replicas, checksums checked.
+    assert [(r["bucket_mb"], r["version"]) for r in result["sweep"]] == [(1, 3), (1, 4), (2, 5), (2, 6)]
+    assert all(len(r["replicas"]) == 2 and all(x["checksums_checked"] > 0 for x in r["replicas"])
+               for r in result["sweep"])

@@ -146,17 +146,19 @@ def test_a_sync_that_leaves_one_tensor_one_ulp_off_fails_naming_replica_and_para
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_gloo_broadcast_of_cuda_tensors_sends_their_values_not_what_the_staging_buffer_held() -> None:
-    # Issue 34: the host copies of a gloo bucket were read before the GPU had written them.
+@pytest.mark.parametrize("to", [None, "cuda"])
+def test_a_gloo_broadcast_of_cuda_tensors_sends_their_values_not_what_the_staging_buffer_held(to: str | None) -> None:
+    # Issue 34: the host copies of a gloo bucket were read before the GPU had written them. With
+    # `to="cuda"` the receiver lands each bucket on the GPU from its reused pinned buffers.
     sender = Sender("gloo", timeout_s=60, bucket_bytes=64 * 2**20)
     named = [(f"w{i}", torch.zeros(1 << 22, device="cuda")) for i in range(16)]  # 16 MiB each, 4 buckets
     receivers: list[Receiver] = []
 
     def receive(buckets: Any, got: dict[str, torch.Tensor]) -> None:
         if not receivers:
-            receivers.append(Receiver(sender.link))
+            receivers.append(Receiver(sender.link, device=to))
         for bucket in receivers[0].stream(buckets):
-            got.update((n, t.clone()) for n, t in bucket)
+            got.update((n, t.cpu()) for n, t in bucket)
 
     try:
         for r in range(1, 4):  # later rounds reuse the pinned blocks of earlier ones
@@ -227,3 +229,34 @@ def test_a_collective_transfer_without_an_engine_process_is_a_config_error() -> 
         parse_config({"generation": {"replicas": 2, "weight_transfer_backend": "nccl"}})
     cfg = parse_config({"generation": {"weight_transfer": "collective", "replicas": 2}})
     assert cfg.generation.engine_kwargs()["weight_transfer"] == "collective"
+
+
+def test_a_pipelined_gloo_sync_delivers_every_bucket_whole_sync_after_sync_to_a_caller_that_keeps_them() -> None:
+    # Two buckets are in flight on each side and the host buffers are reused across syncs: a bucket
+    # written again before its broadcast had left, or handed out before it had arrived, shows here.
+    sender = Sender("gloo", timeout_s=60, bucket_bytes=3 * 2**12)
+    named = [(f"w{i}", torch.empty(1000 + 37 * i)) for i in range(24)]  # ~10 buckets of ~3 tensors
+    receivers: list[Receiver] = []
+
+    def receive(buckets: Any, kept: list[list[tuple[str, torch.Tensor]]]) -> None:
+        if not receivers:
+            receivers.append(Receiver(sender.link))
+        kept.extend(receivers[0].stream(buckets))  # kept, not copied: each bucket must be its own
+
+    try:
+        for r in range(3):
+            for i, (_, t) in enumerate(named):
+                t.copy_(torch.arange(t.numel()) * (r + 1) + i)
+            buckets, tensors = sender.plan(named)
+            assert len(buckets) >= 8
+            kept: list[list[tuple[str, torch.Tensor]]] = []
+            th = threading.Thread(target=receive, args=(buckets, kept))
+            th.start()
+            assert sender.send(tensors) == sum(t.numel() * 4 for _, t in named)
+            th.join(60)
+            got = {n: t for bucket in kept for n, t in bucket}
+            assert list(got) == [n for n, _ in named]
+            for n, t in named:
+                assert torch.equal(got[n], t), f"sync {r}: {n} arrived with values it did not have"
+    finally:
+        sender.close()

@@ -73,6 +73,27 @@ class _Tagged:
         self.alive = False
 
 
+class _Synced(_Tagged):
+    """A replica whose sync takes a while and records how many syncs of its set run at once."""
+
+    lock = threading.Lock()
+
+    def __init__(self, by_broadcast: bool, live: list[int]) -> None:
+        super().__init__()
+        self.by_broadcast, self._live = by_broadcast, live
+
+    def update_weights(self, named, version: int) -> None:  # type: ignore[no-untyped-def]
+        with self.lock:
+            self._live[0] += 1
+            self._live[1] = max(self._live[1], self._live[0])
+        try:
+            threading.Event().wait(0.2)
+            super().update_weights(named, version)
+        finally:
+            with self.lock:
+                self._live[0] -= 1
+
+
 def test_completions_join_in_request_order_and_each_slice_knows_its_first_row() -> None:
     reps = [_Tagged(), _Tagged(), _Tagged()]
     engine = ReplicaEngine(reps)  # type: ignore[arg-type]
@@ -131,18 +152,32 @@ def test_weight_sync_reaches_every_replica_before_the_version_moves(model: Path,
     assert [c.token_ids for c in engine.generate(prompts, greedy)] == [c.token_ids for c in ref]
 
 
-def test_a_strict_check_that_fails_changes_no_replica() -> None:
-    reps = [_Tagged(), _Tagged()]
+@pytest.mark.parametrize("by_broadcast", [False, True])
+def test_a_strict_check_that_fails_changes_no_replica(by_broadcast: bool) -> None:
+    reps = [_Synced(by_broadcast, [0, 0]), _Synced(by_broadcast, [0, 0])]
     engine = ReplicaEngine(reps)  # type: ignore[arg-type]
-    reps[0].fail_update = WeightSyncError("missing: lm_head.weight")
+    for r in reps:  # they hold the same model: the check fails on each alike
+        r.fail_update = WeightSyncError("missing: lm_head.weight")
     with pytest.raises(WeightSyncError):
         engine.update_weights([], 1)
     assert engine.version == 0 and engine.alive
     assert [r.version for r in reps] == [0, 0]
 
 
-def test_a_sync_that_fails_on_one_replica_after_another_took_it_kills_the_set() -> None:
-    reps = [_Tagged(), _Tagged()]
+@pytest.mark.parametrize("by_broadcast, at_once", [(True, 3), (False, 1)])
+def test_broadcast_syncs_reach_the_replicas_at_once_and_by_reference_ones_one_after_the_other(
+    by_broadcast: bool, at_once: int,
+) -> None:
+    live = [0, 0]  # syncs running now, most at once
+    reps = [_Synced(by_broadcast, live) for _ in range(3)]
+    engine = ReplicaEngine(reps)  # type: ignore[arg-type]
+    engine.update_weights([], 1)
+    assert live[1] == at_once and engine.version == 1 and [r.version for r in reps] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("by_broadcast", [False, True])
+def test_a_sync_that_fails_on_one_replica_after_another_took_it_kills_the_set(by_broadcast: bool) -> None:
+    reps = [_Synced(by_broadcast, [0, 0]), _Synced(by_broadcast, [0, 0])]
     engine = ReplicaEngine(reps)  # type: ignore[arg-type]
     reps[1].fail_update = EngineError("engine process died (exit code -9) during update_weights")
     with pytest.raises(ReplicaSetBroken, match=r"replicas \[0\].*replica 1"):

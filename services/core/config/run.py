@@ -132,8 +132,9 @@ class GenerationSection(_Strict):
     # stages each bucket through host memory (slower, but needs no NCCL path between the two
     # processes, and works for two processes on one GPU, which NCCL refuses).
     weight_transfer_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    # Bytes per broadcast of a collective weight sync, in MiB.
-    weight_transfer_bucket_mb: Annotated[int, Field(ge=1, le=16384)] = 512
+    # Bytes per broadcast of a collective weight sync, in MiB: two buckets are in flight at a time (one
+    # staged or loaded while the other is on the wire), so a bucket well under the model pipelines.
+    weight_transfer_bucket_mb: Annotated[int, Field(ge=1, le=16384)] = 64
     # Bound on joining the transfer group and on each broadcast: a dead peer fails the sync by then.
     weight_transfer_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0
 

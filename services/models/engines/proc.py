@@ -72,7 +72,7 @@ class ProcessEngine:
 
     def __init__(self, name: str, model_path: Path, start_timeout_s: float = 900.0, *,
                  visible_devices: str | None = None, label: str = "", threads: int | None = None,
-                 transfer: str = "ipc", transfer_backend: str = "auto", transfer_bucket_bytes: int = 512 * 2**20,
+                 transfer: str = "ipc", transfer_backend: str = "auto", transfer_bucket_bytes: int = 64 * 2**20,
                  transfer_timeout_s: float = 300.0, started: StartedEngine | None = None, **kw: Any) -> None:
         """`visible_devices` (CUDA_VISIBLE_DEVICES of the child) pins the engine to its GPUs; `label`
         names the process (e.g. the replica); `threads` caps the child's CPU threads (default: this
@@ -193,6 +193,24 @@ class ProcessEngine:
         if msg[0] == "error":
             raise _ERRORS.get(msg[1], EngineError)(msg[2])
         return msg[1]
+
+    @property
+    def transfer_bucket_bytes(self) -> int | None:
+        """Bytes per broadcast of a collective sync (None for by-reference syncs); settable between
+        syncs, each plans its buckets afresh."""
+        return self._sender.bucket_bytes if self._sender is not None else None
+
+    @transfer_bucket_bytes.setter
+    def transfer_bucket_bytes(self, n: int) -> None:
+        if self._sender is None or n < 1:
+            raise EngineError(f"transfer_bucket_bytes {n}: only a collective sync has buckets, of >= 1 byte")
+        self._sender.bucket_bytes = int(n)
+
+    @property
+    def by_broadcast(self) -> bool:
+        """Whether weight syncs reach the child as broadcasts (`transfer="collective"`), which read the
+        trainer's tensors without changing them: a replica set may send several at once."""
+        return self._sender is not None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         with self._gate.call() as epoch:

@@ -8,7 +8,8 @@ M ways), and this class makes them one engine for the actor, keeping the contrac
   one at most), runs the slices concurrently and joins the completions in request order. Each slice
   carries `first_row`, the index of its first prompt in the call, and every backend seeds a row by
   (seed, first_row + i): the same request gives the same completions on 1 replica or on M.
-- `update_weights` loads the tensors into every replica, one after the other, while no generate call
+- `update_weights` loads the tensors into every replica (by broadcast: all at once, each through
+  its own group; by reference: one after the other), while no generate call
   runs (the gate holds new calls and waits for those in flight), and moves the version only once all
   have it: a generation never sees two versions. A strict check that fails fails on every replica alike
   (they hold the same model) before anything is changed; a replica that fails after another one took
@@ -243,13 +244,27 @@ class ReplicaEngine:
             check_version(version, self._version)
 
         with self._gate.exclusive(check):
-            # One replica after the other: a CPU tensor is moved to shared memory when first sent,
-            # which must not race with a second send of it.
-            done: list[int] = []
-            for r, e in enumerate(self._engines):
+            # Broadcast syncs go to every replica at once (each through its own group; the wire, not
+            # the trainer, is the bottleneck). By-reference ones one replica after the other: a CPU
+            # tensor is moved to shared memory when first sent, which must not race with a second send.
+            def sync(r: int) -> BaseException | None:
                 try:
-                    e.update_weights(named, version)
-                except WeightsMismatch as err:
+                    self._engines[r].update_weights(named, version)
+                except Exception as err:
+                    return err
+                return None
+
+            if len(self._engines) > 1 and all(getattr(e, "by_broadcast", False) for e in self._engines):
+                errors = list(self._pool.map(sync, range(len(self._engines))))
+            else:
+                errors = []
+                for r in range(len(self._engines)):
+                    errors.append(sync(r))
+                    if errors[-1] is not None:
+                        break
+            done = [r for r, err in enumerate(errors) if err is None]
+            for r, err in enumerate(errors):
+                if isinstance(err, WeightsMismatch):
                     # That replica holds weights nobody sent and is stopped: the set serves no more,
                     # whether or not another replica took the version already.
                     self._broken = self.stopped_for = f"replica {r}: {err}"
@@ -257,15 +272,16 @@ class ReplicaEngine:
                               extra={"version": version, "replica": r, "parameter": err.parameter})
                     raise WeightsMismatch(self._broken, version=version, parameter=err.parameter, held=err.held,
                                           sent=err.sent) from err
-                except Exception as err:
-                    if done:
-                        self._broken = (f"weight sync to version {version} reached replicas {done} but failed on"
-                                        f" replica {r} ({type(err).__name__}: {err}); the replicas disagree")
-                        log.error("replica weight sync failed midway",
-                                  extra={"version": version, "replica": r, "error": type(err).__name__})
-                        raise ReplicaSetBroken(self._broken) from err
-                    raise
-                done.append(r)
+            for r, err in enumerate(errors):
+                if err is None:
+                    continue
+                if done:
+                    self._broken = (f"weight sync to version {version} reached replicas {done} but failed on"
+                                    f" replica {r} ({type(err).__name__}: {err}); the replicas disagree")
+                    log.error("replica weight sync failed midway",
+                              extra={"version": version, "replica": r, "error": type(err).__name__})
+                    raise ReplicaSetBroken(self._broken) from err
+                raise err
             self._version = version
 
     def pause(self) -> None:

@@ -31,7 +31,7 @@ def serve(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str
     torch.set_num_threads(threads)
     try:
         engine = build_engine(name, Path(path), **kw)
-        receiver = Receiver(link) if link is not None else None
+        receiver = Receiver(link, device=kw.get("device")) if link is not None else None
     except Exception as err:
         conn.send(("error", type(err).__name__, str(err)))
         return False
