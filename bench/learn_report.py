@@ -81,6 +81,12 @@ def cold(r: dict[str, Any]) -> bool:
     return bool(r.get("vllm_cold", int(r.get("vllm_cache_entries", 1)) == 0))
 
 
+def gpu(r: dict[str, Any]) -> str:
+    """The run's GPU, short: runs before 2026-12-05 did not record it, and all of them ran on an H200."""
+    name = str(r.get("device") or "NVIDIA H200")
+    return next((k for k in ("H100", "H200") if k in name), name)
+
+
 def summarize_task(by_config: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     trl_runs = by_config.get("trl", [])
     target = statistics.median(final(r) for r in trl_runs) if trl_runs else None
@@ -90,6 +96,7 @@ def summarize_task(by_config: dict[str, list[dict[str, Any]]]) -> dict[str, Any]
     for config, rs in by_config.items():
         c: dict[str, Any] = {
             "seeds": [r.get("seed") for r in rs],
+            "gpus": [gpu(r) for r in rs],
             "final": spread([final(r) for r in rs]), "best": spread([max(p["accuracy"] for p in r["points"])
                                                                      for r in rs]),
             "untrained": spread([r["points"][0]["accuracy"] for r in rs]),
@@ -148,21 +155,24 @@ def _met(flag: bool | None) -> str:
 
 def render_task(task: str, s: dict[str, Any]) -> list[str]:
     lines = [f"### {task}", ""]
-    lines += ["| configuration | seeds | final accuracy | best | untrained | optimizer steps | first step (cold / warm)"
+    lines += ["| configuration | seeds | GPU per seed | final accuracy | best | untrained | optimizer steps | first step (cold / warm)"
               " | median step | time to TRL's median final |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for config in CONFIGS:
         c = s["configs"].get(config)
         if c is None:
             continue
         first = f"{_med_range(c['first_step_s_cold'], _sec)} / {_med_range(c['first_step_s_warm'], _sec)}"
         lines.append(
-            f"| {LABELS[config]} | {', '.join(map(str, c['seeds']))} | {_med_range(c['final'], _pct)}"
+            f"| {LABELS[config]} | {', '.join(map(str, c['seeds']))} | {', '.join(c.get('gpus', []))}"
+            f" | {_med_range(c['final'], _pct)}"
             f" | {_med_range(c['best'], _pct)} | {_med_range(c['untrained'], _pct)}"
             f" | {_med_range(c['steps'], lambda x: f'{x:.0f}')} | {first}"
             f" | {_med_range(c['step_s'], lambda x: f'{x:.2f} s')}"
             f" | {_med_range(c.get('time_to_trl_median_final', {'n': 0}), _sec)} |")
-    lines += ["", f"![{task}: accuracy against steps and seconds](bench/results/learn/{task}.png)", ""]
+    lines += ["", "Runs made before 2026-12-05 did not record their GPU; each of them ran on an H200. A clock"
+              " (first step, seconds to an accuracy) compares only between runs on one kind of GPU.", ""]
+    lines += [f"![{task}: accuracy against steps and seconds](bench/results/learn/{task}.png)", ""]
     trl = s["configs"].get("trl")
     if trl is not None and trl["per_step"]:
         keys = [k for k in trl["per_step"] if int(k) % 20 == 0] or list(trl["per_step"])
@@ -198,7 +208,7 @@ def render(summary: dict[str, Any], runs: dict[str, dict[str, list[dict[str, Any
     lines = [
         f"{HEADING} (issues 14, 32)", "",
         "```",
-        "# on one H200 (wheels, redis-server and reasoning-gym carried: bench/gpu_host.sh says how), one call each:",
+        "# on one H100 or H200 (wheels, redis-server and reasoning-gym carried: bench/gpu_host.sh says how), a call each:",
         "python -m bench.learn prepare",
         f"python -m bench.learn run --task TASK --runs trl:0,fleet:0 --budget-s {budget:.0f} --out $OUT",
         "python -m bench.learn report --results bench/results/learn   # this section, summary.json, TASK.png",
@@ -250,7 +260,7 @@ def plot(task: str, by_config: dict[str, list[dict[str, Any]]], path: Path) -> b
     for ax in (by_step, by_clock):
         ax.grid(alpha=0.3)
     by_step.legend(fontsize=8)
-    fig.suptitle(f"SmolLM2-135M-Instruct, {task}, GRPO, one H200: every seed")
+    fig.suptitle(f"SmolLM2-135M-Instruct, {task}, GRPO, one GPU a run (H200 or H100): every seed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
