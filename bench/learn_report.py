@@ -155,7 +155,8 @@ def _met(flag: bool | None) -> str:
 
 def render_task(task: str, s: dict[str, Any]) -> list[str]:
     lines = [f"### {task}", ""]
-    lines += ["| configuration | seeds | GPU per seed | final accuracy | best | untrained | optimizer steps | first step (cold / warm)"
+    lines += ["| configuration | seeds | GPU per seed | final accuracy | best | untrained | optimizer steps"
+              " | first step (cold / warm)"
               " | median step | time to TRL's median final |",
               "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for config in CONFIGS:
@@ -208,7 +209,7 @@ def render(summary: dict[str, Any], runs: dict[str, dict[str, list[dict[str, Any
     lines = [
         f"{HEADING} (issues 14, 32)", "",
         "```",
-        "# on one H100 or H200 (wheels, redis-server and reasoning-gym carried: bench/gpu_host.sh says how), a call each:",
+        "# on one H100 or H200 (wheels, redis-server, reasoning-gym carried: bench/gpu_host.sh says how), a call each:",
         "python -m bench.learn prepare",
         f"python -m bench.learn run --task TASK --runs trl:0,fleet:0 --budget-s {budget:.0f} --out $OUT",
         "python -m bench.learn report --results bench/results/learn   # this section, summary.json, TASK.png",
