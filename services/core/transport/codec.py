@@ -163,22 +163,6 @@ def array_from_proto(
     return (arr.view(np.bool_) if msg.dtype == "bool" else arr).reshape(shape)
 
 
-def tensor_from_proto(msg: pb.Tensor, *, max_bytes: int, expect_dtype: str | None = None,
-                      expect_shape: tuple[int | None, ...] | None = None, name: str | None = None) -> torch.Tensor:
-    """`array_from_proto` as a CPU tensor that owns writable memory, in the message's own dtype."""
-
-    arr = array_from_proto(msg, max_bytes=max_bytes, expect_dtype=expect_dtype, expect_shape=expect_shape, name=name)
-    return torch_of(arr, msg.dtype)
-
-
-def torch_of(arr: np.ndarray[Any, Any], wire_dtype: str) -> torch.Tensor:
-    """A decoded array as a tensor of its wire dtype, sharing its memory."""
-    import torch
-
-    t = torch.from_numpy(arr.view(np.uint8) if arr.dtype == np.bool_ else arr)
-    return t.view(_torch_dtypes()[wire_dtype]) if wire_dtype in ("bfloat16", "bool") else t
-
-
 def __getattr__(name: str) -> Any:
     # DTYPES (wire name -> (torch dtype, numpy dtype)) needs torch: built on first use only.
     if name == "DTYPES":
