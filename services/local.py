@@ -104,7 +104,8 @@ def run_local(
         ReferenceScorer(load_causal_lm(roles.policy_path, dtype=dtype, device=cfg.endpoint("reference").device),
                         cfg.generation.temperature, micro_batch=cfg.algo.micro_batch_size,
                         micro_tokens=cfg.algo.micro_batch_tokens, pack=cfg.algo.pack_sequences,
-                        chunk_tokens=cfg.algo.logprob_chunk_tokens, compile=cfg.algo.compile)
+                        chunk_tokens=cfg.algo.logprob_chunk_tokens, compile=cfg.algo.compile,
+                        tf32=cfg.algo.tf32)
         if cfg.algo.needs_reference else None
     )
     trainer = PolicyTrainer(policy, cfg.algo, cfg.generation.temperature, seed=cfg.run.seed,

@@ -12,6 +12,7 @@ from services.models.nets.logprobs import (
     CompileCount,
     compile_decoder,
     response_logprobs,
+    use_tf32,
     wants_compile,
 )
 from services.rl.batch import Rollout
@@ -22,16 +23,18 @@ from services.rl.warmup import warm_up_rollouts
 
 class ReferenceScorer:
     """`micro_batch` rows or `micro_tokens` tokens (packed with `pack`) per forward, as the trainers'
-    `algo.micro_batch_size`, `micro_batch_tokens` and `pack_sequences`; `chunk_tokens` and `compile` as
-    `algo.logprob_chunk_tokens` and `algo.compile`."""
+    `algo.micro_batch_size`, `micro_batch_tokens` and `pack_sequences`; `chunk_tokens`, `compile` and `tf32` as
+    `algo.logprob_chunk_tokens`, `algo.compile` and `algo.tf32`."""
 
     def __init__(self, model: nn.Module, temperature: float, micro_batch: int = 0, micro_tokens: int = 0,
-                 pack: bool = False, chunk_tokens: int = 0, compile: bool | None = False) -> None:
+                 pack: bool = False, chunk_tokens: int = 0, compile: bool | None = False,
+                 tf32: bool | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         self.temperature = temperature
         self.micro_batch, self.micro_tokens, self.pack = micro_batch, micro_tokens, pack
         self.chunk_tokens = chunk_tokens
         self.device = next(model.parameters()).device
+        self.tf32 = use_tf32(tf32, self.device)
         self.compile_backend = COMPILE_BACKEND if wants_compile(compile, self.device) else None
         if self.compile_backend is not None:
             compile_decoder(self.model, self.compile_backend)

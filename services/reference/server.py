@@ -18,7 +18,8 @@ def serve(cfg: RunConfig) -> None:
     a = cfg.algo
     scorer = ReferenceScorer(model, cfg.generation.temperature, micro_batch=a.micro_batch_size,
                              micro_tokens=a.micro_batch_tokens, pack=a.pack_sequences,
-                             chunk_tokens=a.logprob_chunk_tokens, compile=a.compile)
+                             chunk_tokens=a.logprob_chunk_tokens, compile=a.compile,
+                             tf32=a.tf32)
     # Before serving: the first batch then runs compiled code, and the compile overlaps the actor's
     # engine start (a few small batches: nothing vLLM's memory profiling would miss).
     warm_up_compiled("reference", scorer.warm_up)

@@ -18,6 +18,7 @@ from services.models.nets.logprobs import (
     CompileCount,
     compile_decoder,
     response_logprobs,
+    use_tf32,
     wants_compile,
 )
 from services.models.nets.lora import is_lora
@@ -98,6 +99,7 @@ class PolicyTrainer:
         self.behaviour_logprobs = behaviour_logprobs  # generation.behaviour_logprobs
         self.device = _device_of(model)
         self.split: SplitFn = micro_plan
+        self.tf32 = use_tf32(algo.tf32, self.device)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         # torch.compile's backend for the decoder's blocks and the vocabulary-sized log-prob steps.
@@ -341,6 +343,7 @@ class ValueTrainer:
         self.seed = seed
         self.device = _device_of(model)
         self.split: SplitFn = micro_plan
+        self.tf32 = use_tf32(algo.tf32, self.device)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.opt = adamw(model, algo.critic_lr, algo.fused_optimizer)

@@ -340,3 +340,22 @@ def test_a_train_step_reads_its_statistics_back_once_per_optimizer_step(monkeypa
     keys = {"policy_loss", "kl_loss", "entropy", "clip_frac", "grad_norm"}
     assert len(reads) == 2 and all(keys <= set(r) for r in reads)
     assert stats == pytest.approx(expected, rel=1e-12)  # the same figures as reading each one at once
+
+
+def test_tf32_is_on_for_a_cuda_trainer_unless_the_config_says_false_and_never_touches_the_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.models.nets import logprobs
+
+    assert logprobs.wants_tf32(None, "cuda") and logprobs.wants_tf32(None, "cuda:1")
+    assert not logprobs.wants_tf32(False, "cuda") and not logprobs.wants_tf32(None, "cpu")
+    set_to: list[str] = []
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", set_to.append)
+    assert logprobs.use_tf32(None, "cuda") and set_to == ["high"]
+    assert not logprobs.use_tf32(False, "cuda:0") and set_to == ["high", "highest"]
+    # A CPU trainer, reference or critic leaves the process's matmul precision alone, whatever is set.
+    t = PolicyTrainer(_model(), AlgoSection(tf32=True), temperature=1.0)
+    ref = ReferenceScorer(_model(), temperature=1.0, tf32=True)
+    assert not t.tf32 and not ref.tf32 and set_to == ["high", "highest"]
+    assert AlgoSection().tf32 is None
+    with pytest.raises(ValueError, match="tf32"):
+        AlgoSection.model_validate({"tf32": "sometimes"})

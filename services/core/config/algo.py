@@ -140,6 +140,14 @@ class AlgoSection(_Strict):
     its cold start (~60 s) set the time to the first step, and the eager trainer paced the step more
     evenly (BENCHMARKS.md, 2026-12-04)."""
 
+    tf32: bool | None = None
+    """TF32 tensor cores for the fp32 matmuls of the trainer, critic and reference on a CUDA GPU
+    (`torch.set_float32_matmul_precision("high")`): inputs rounded to 10 mantissa bits, products
+    accumulated in fp32; weights, gradients, optimizer state and the log-softmax stay fp32, and the
+    engine samples in its own dtype anyway. Unset: on for a CUDA device (PyTorch's advice for Ampere
+    and newer; an fp32 trainer of a small model is bound by its matmuls), off on the CPU, where it
+    does nothing. false keeps every fp32 matmul at full precision."""
+
     @model_validator(mode="before")
     @classmethod
     def _algorithm_defaults(cls, data: Any) -> Any:

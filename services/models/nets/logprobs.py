@@ -280,6 +280,21 @@ def wants_compile(flag: bool | None, device: torch.device | str, ranks: int = 1,
     return torch.device(device).type == "cuda" and ranks == 1 and not adapters
 
 
+def wants_tf32(flag: bool | None, device: torch.device | str) -> bool:
+    """`algo.tf32` for a model on `device`: as set, else on for a CUDA device (see `AlgoSection.tf32`)."""
+    return flag if flag is not None else torch.device(device).type == "cuda"
+
+
+def use_tf32(flag: bool | None, device: torch.device | str) -> bool:
+    """Apply `algo.tf32` to this process's CUDA fp32 matmuls (a process-wide switch: each role's
+    process trains or scores one model); says whether TF32 is on. Nothing changes on the CPU."""
+    if torch.device(device).type != "cuda":
+        return False
+    on = wants_tf32(flag, device)
+    torch.set_float32_matmul_precision("high" if on else "highest")
+    return on
+
+
 def warm_up_compiled(role: str, warm_up: Callable[[], bool]) -> None:
     """Run a `warm_up` of compiled code (it says whether there was any to compile); a compile failure
     (no compiler for Triton, an operator Inductor cannot lower) is a ConfigError naming the way out: a
