@@ -331,7 +331,18 @@ def phase_fleet(out: Path, budget_s: float) -> dict[str, Any]:
     res["ok"] = len(res["points"]) >= 2 and "error" not in res
     if not res["ok"]:
         res["log_tail"] = log_path.read_text()[-4000:]
+    _keep_service_logs(run_dir / "logs", out / f"{run_name(config, W['seed'])}-logs.tgz")
     return res
+
+
+def _keep_service_logs(logs: Path, dest: Path) -> None:
+    """The services' own logs (start-up phases, per-step timings) beside the run's result: the next
+    fleet run on the host removes its run directory."""
+    import tarfile
+
+    if logs.is_dir():
+        with tarfile.open(dest, "w:gz") as tar:
+            tar.add(logs, arcname=dest.name.removesuffix(".tgz"))
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:

@@ -136,3 +136,20 @@ def test_dry_run_trains_trl_and_reports_it_against_the_recorded_fleet_runs(tmp_p
     assert summary["configs"]["fleet"]["seeds"] == list(range(len(recorded)))
     assert summary["configs"]["trl"]["steps"]["median"] == res["steps"]
     assert (out / "basic_arithmetic.png").stat().st_size > 0
+
+
+def test_a_fleet_runs_service_logs_are_kept_beside_its_result_as_one_archive(tmp_path: Path) -> None:
+    import tarfile
+
+    from bench.learn import _keep_service_logs
+
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "actor.log").write_text("engine ready\n")
+    dest = tmp_path / "out" / "basic_arithmetic-fleet-s0-logs.tgz"
+    dest.parent.mkdir()
+    _keep_service_logs(logs, dest)
+    with tarfile.open(dest) as tar:
+        assert tar.getnames() == ["basic_arithmetic-fleet-s0-logs", "basic_arithmetic-fleet-s0-logs/actor.log"]
+    _keep_service_logs(tmp_path / "never-started", tmp_path / "out" / "none.tgz")  # no logs, no archive
+    assert not (tmp_path / "out" / "none.tgz").exists()
