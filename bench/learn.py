@@ -32,7 +32,9 @@ the median of the others). rlfleet runs with `max_staleness: 1` (generation of s
 of step n), its design; TRL is strictly on-policy, its design. rlfleet's trainer runs eagerly
 (`algo.compile: false`: at 135M the cold compile costs more than it gains, and TRL does not compile) and
 its engine takes a fixed KV cache (`generation.vllm.kv_cache_gib`: vLLM skips its memory profiling, so the
-actor builds its trainer while the engine starts). Each result records whether vLLM's compile cache was
+actor builds its trainer while the engine starts). Both trainers keep fp32 weights; rlfleet's fp32 matmuls
+run on TF32 tensor cores (`algo.tf32`, its default on a CUDA GPU since 2026-12-06), TRL's at full fp32
+(its `tf32` argument unset, transformers' default). Each result records whether vLLM's compile cache was
 warm at launch, so cold and warm starts are compared like with like.
 """
 
