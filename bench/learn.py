@@ -475,6 +475,10 @@ def phase_trl(out: Path, budget_s: float, launch: float) -> dict[str, Any]:
         res["error"] = f"{type(err).__name__}: {err}"
         res["traceback"] = traceback.format_exc()
     res.update(points=points, steps=len(steps), step_times=steps, ok=len(points) >= 2 and "error" not in res)
+    # TRL's own per-step log (reward, entropy, completion length, clip ratios, importance weights): the
+    # fleet's rows hold the same quantities, so the two trajectories compare step by step, not only by
+    # their evaluations.
+    res["log_history"] = [row for row in trainer.state.log_history if "step" in row]
     if steps:
         res["first_step_s"] = steps[0]["time"] - launch
         gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(steps)]

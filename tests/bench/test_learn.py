@@ -142,6 +142,8 @@ def test_dry_run_trains_trl_and_reports_it_against_the_recorded_fleet_runs(tmp_p
     clocks = [p["clock_s"] for p in res["points"]]
     assert len(clocks) >= 2 and clocks == sorted(clocks) and clocks[0] > 0
     assert res["points"][0]["step"] == 0 and res["first_step_s"] > 0 and res["vllm_cold"] is True
+    # TRL's own per-step log comes along, to set its entropy and rewards beside the fleet's rows.
+    assert len(res["log_history"]) >= res["steps"] and {"reward", "entropy"} <= set(res["log_history"][0])
     recorded = sorted((REPO / "bench" / "results" / "learn").glob("basic_arithmetic-fleet*-s[0-9]*.json"))
     assert recorded, "the fleet runs recorded on the GPU are in bench/results/learn"
     seeds: dict[str, list[int]] = {}
