@@ -1,7 +1,8 @@
 """Fault injection against a real fleet on the tiny task. Every case ends with the run completing
 all its steps and `rlfleet audit` passing (no loss, exactly-once, bounded staleness, monotonic
 versions, bounded resources). Recovery time (fault to the next completed step) is recorded and
-printed at the end of the session."""
+printed at the end of the session. The faults a fleet of the default fault config heals from
+without a trace share one fleet (TestOneFleet); those that need a config of their own start theirs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,8 @@ def fault_config(run_dir: Path, model: Path, **sections: dict[str, Any]) -> RunC
 class Run:
     """A fleet supervised in a background thread while the test injects faults."""
 
-    def __init__(self, fleet: Fleet, cfg: RunConfig) -> None:
-        self.fleet, self.cfg = fleet, cfg
+    def __init__(self, fleet: Fleet, cfg: RunConfig, timeout_s: float = 300) -> None:
+        self.fleet, self.cfg, self.timeout_s = fleet, cfg, timeout_s
         self.result: int | BaseException | None = None
         fleet.start(ready_timeout_s=180)
         self.thread = threading.Thread(target=self._supervise, daemon=True)
@@ -63,12 +64,22 @@ class Run:
 
     def _supervise(self) -> None:
         try:
-            self.result = self.fleet.supervise(timeout_s=300, poll_s=0.2)
+            self.result = self.fleet.supervise(timeout_s=self.timeout_s, poll_s=0.2)
         except BaseException as e:  # surfaced in finish()
             self.result = e
 
     def step(self) -> int:
         return int(controller_detail(self.fleet).get("step", 0))
+
+    def restarts(self) -> dict[str, int]:
+        return {name: sp.restarts for name, sp in self.fleet.procs.items()}
+
+    def expect_steps_left(self, steps: int) -> None:
+        """A test on a shared run needs `steps` more of it: fail at once, naming the budget, rather
+        than wait on a run that has ended."""
+        assert self.result is None, f"the shared run has ended (supervise: {self.result!r})"
+        left = self.cfg.run.max_steps - self.step()
+        assert left >= steps, f"the shared run has {left} steps left, this fault needs {steps}: raise SHARED_STEPS"
 
     def fault(self, name: str, inject: Callable[[], Any], at_step: int = 2) -> float:
         """Inject at `at_step`; return the seconds until the next step completes."""
@@ -81,7 +92,7 @@ class Run:
         return t1 - t0
 
     def finish(self) -> None:
-        self.thread.join(timeout=320)
+        self.thread.join(timeout=self.timeout_s + 20)
         assert not isinstance(self.result, BaseException), repr(self.result)
         assert self.result == 0, f"supervise returned {self.result}"
         rows = read_metrics(self.cfg.run_dir / "metrics.jsonl")
@@ -113,26 +124,6 @@ def _ready(fleet: Fleet, name: str) -> bool:
         return False
 
 
-def test_kill9_of_each_service_mid_step_recovers_without_loss(tmp_path: Path, tiny_model: Path, run_factory) -> None:
-    """One run, every service killed in turn mid-run; the next one only once the previous victim's
-    replacement is ready, so each recovery is its own: one fleet start instead of five."""
-    # Steps take a fraction of a second and the pipeline runs ahead of a restarting scorer, so the
-    # run must be long enough to outlast five restarts.
-    cfg = fault_config(tmp_path / "run", tiny_model, run={"max_steps": 12 * len(KILLED)})
-    run = run_factory(cfg)
-    old = {name: run.fleet.procs[name].proc.pid for name in KILLED}
-    for service in KILLED:
-        run.fault(f"kill -9 {service}", kill9(run.fleet, service), at_step=run.step() + 1)
-        deadline = time.monotonic() + 120
-        while not (run.fleet.procs[service].restarts == 1 and _ready(run.fleet, service)):
-            assert time.monotonic() < deadline, f"{service} not back within 120s (supervise: {run.result!r})"
-            time.sleep(0.1)
-    run.finish()
-    for service in KILLED:
-        assert run.fleet.procs[service].proc.pid != old[service], f"the supervisor restarted {service}"
-        assert run.fleet.procs[service].restarts == 1, service
-
-
 def _engine_child(actor_pid: int) -> int:
     for pid in Path(f"/proc/{actor_pid}/task/{actor_pid}/children").read_text().split():
         if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
@@ -155,43 +146,6 @@ def test_kill9_of_the_engine_process_fails_the_actor_fast_and_it_recovers(
     assert "engine" in (cfg.run_dir / "logs" / "actor.log").read_text()
 
 
-def test_sigstop_past_reclaim_then_sigcont_counts_once(tmp_path: Path, tiny_model: Path, run_factory) -> None:
-    """A stalled reward consumer's pending entries are reclaimed by a second replica; when it wakes
-    up its late score is a duplicate the controller ignores."""
-    cfg = fault_config(tmp_path / "run", tiny_model)
-    run = run_factory(cfg)
-    assert run.fleet.cfg is not None
-    replica_cfg = run.fleet.cfg.model_dump(mode="json")
-    replica_cfg["services"]["reward"].update(grpc_port=0, http_port=0)
-    replica_cfg["run"]["dir"] = str(tmp_path / "replica")
-    path = tmp_path / "replica.yaml"
-    path.write_text(yaml.safe_dump(replica_cfg))
-    log = (tmp_path / "replica.log").open("wb")
-    replica = subprocess.Popen([sys.executable, "-m", "services.reward", "--config", str(path)],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        state_file = tmp_path / "replica" / "services" / "reward.json"
-        deadline = time.monotonic() + 90
-        while not (state_file.exists() and json.loads(state_file.read_text()).get("state") == "ready"):
-            assert replica.poll() is None, "the second reward replica exited"
-            assert time.monotonic() < deadline, "the second reward replica never became ready"
-            time.sleep(0.2)
-        victim = run.fleet.procs["reward"].proc.pid
-
-        def stall() -> None:
-            os.kill(victim, signal.SIGSTOP)
-            time.sleep(3 * cfg.flow.reclaim_idle_ms / 1000)
-            os.kill(victim, signal.SIGCONT)
-
-        run.fault("SIGSTOP reward past reclaim, SIGCONT", stall)
-        run.finish()
-        assert json.loads(state_file.read_text())["pid"] == replica.pid
-    finally:
-        replica.terminate()
-        replica.wait(timeout=30)
-        log.close()
-
-
 def _restart_redis(fleet: Fleet, empty: bool) -> Callable[[], None]:
     def go() -> None:
         rp = fleet.redis
@@ -205,29 +159,6 @@ def _restart_redis(fleet: Fleet, empty: bool) -> Callable[[], None]:
         fleet.redis = start_redis(rp.dir, port=rp.port)
 
     return go
-
-
-@pytest.mark.parametrize("empty", [False, True], ids=["aof", "empty"])
-def test_redis_kill9_and_restart(empty: bool, tmp_path: Path, tiny_model: Path, run_factory) -> None:
-    cfg = fault_config(tmp_path / "run", tiny_model)
-    run = run_factory(cfg)
-    name = "redis restarted empty" if empty else "redis kill -9, AOF restart"
-    run.fault(name, _restart_redis(run.fleet, empty))
-    run.finish()
-    restarted = {n: sp.restarts for n, sp in run.fleet.procs.items() if sp.restarts}
-    assert not restarted, f"services crashed on a Redis outage instead of waiting: {restarted}"
-
-
-def test_hot_swap_critic_under_load(tmp_path: Path, tiny_model: Path, run_factory) -> None:
-    cfg = fault_config(tmp_path / "run", tiny_model, run={"max_steps": 10})
-    run = run_factory(cfg)
-    timings: dict[str, float] = {}
-    run.fault("hot swap critic", lambda: timings.update(swap(cfg.run_dir, "critic", timeout_s=120)))
-    run.finish()
-    assert run.fleet.procs["critic"].restarts == 0, "a drained service is replaced, not counted as a crash"
-    served = [json.loads(x) for x in (cfg.run_dir / "events.jsonl").read_text().splitlines()]
-    critic = [e["version"] for e in served if e["kind"] == "version_served" and e["service"] == "critic"]
-    assert critic == sorted(critic), f"critic versions went backwards: {critic}"
 
 
 def test_slow_scorer_is_held_by_backpressure(tmp_path: Path, tiny_model: Path, run_factory) -> None:
@@ -302,46 +233,6 @@ def _stream(cfg: RunConfig, name: str) -> str:
     return f"rlfleet:{cfg.run.name}:{name}"
 
 
-def test_bad_messages_are_dead_lettered_with_named_reasons(tmp_path: Path, tiny_model: Path, run_factory) -> None:
-    cfg = fault_config(tmp_path / "run", tiny_model, flow={"max_message_bytes": 256 * 1024})
-    run = run_factory(cfg)
-    assert run.fleet.redis is not None
-    r = redis.Redis(port=run.fleet.redis.port)
-
-    def inject() -> None:
-        r.xadd(_stream(cfg, "rollouts"), {"data": b"\x0a\xff\xff\xff\xff\x0f garbage", "kind": "rollout",
-                                           "batch_id": "b999999:bad"})
-        r.xadd(_stream(cfg, "rollouts"), {"data": b"\x00" * (cfg.flow.max_message_bytes + 1), "kind": "rollout",
-                                           "batch_id": "b999998:big"})
-        wrong = pb.RolloutBatch(schema_version=1, batch_id="b999997:shape", task_ids=["t999997-0", "t999997-1"])
-        for field, dtype, shape in (("prompt_ids", "int64", [2, 3]), ("prompt_mask", "bool", [2, 3]),
-                                    ("response_ids", "int64", [2, 2]), ("response_mask", "bool", [2, 2]),
-                                    ("behaviour_logprobs", "float32", [2, 5]), ("group_ids", "int64", [2])):
-            t = getattr(wrong, field)
-            t.dtype, t.shape[:] = dtype, shape
-            n = 1
-            for d in shape:
-                n *= d
-            t.data = b"\x00" * (n * {"int64": 8, "bool": 1, "float32": 4}[dtype])
-        r.xadd(_stream(cfg, "rollouts"), {"data": wrong.SerializeToString(), "kind": "rollout",
-                                           "batch_id": "b999997:shape"})
-        future = pb.PromptBatch(schema_version=99, batch_id="b999996")
-        r.xadd(_stream(cfg, "prompts"), {"data": future.SerializeToString(), "kind": "prompts",
-                                          "batch_id": "b999996"})
-        rows = cfg.batch.prompts_per_message * cfg.algo.group_size
-        nan = pb.ScoreBatch(schema_version=1, batch_id="b999995:nan", stage="reward",
-                            task_ids=[f"t{999995 + i // 2}-{i % 2}" for i in range(rows)])
-        nan.rewards.dtype, nan.rewards.shape[:] = "float32", [rows]
-        nan.rewards.data = b"\x00\x00\xc0\x7f" * rows  # float32 NaN
-        r.xadd(_stream(cfg, "scores"), {"data": nan.SerializeToString(), "kind": "score", "batch_id": "b999995:nan"})
-
-    run.fault("malformed, oversized, wrong shape, schema, NaN score", inject)
-    run.finish()
-    reasons = [e[1][b"reason"].decode() for e in r.xrange(_stream(cfg, "dead"))]
-    for named in ("malformed", "oversized", "shape_mismatch", "schema_version", "non_finite"):
-        assert any(named in x for x in reasons), f"no dead letter for {named}: {reasons}"
-
-
 def _journal_tasks(cfg: RunConfig) -> list[Any]:
     from services.core.journal.journal import Journal
 
@@ -409,13 +300,6 @@ def test_a_hanging_reward_times_out_with_its_reason_and_the_run_goes_on(
         assert f"eval_reward{suffix}" not in rows[step]
 
 
-def test_lmdb_map_full_grows_and_the_run_goes_on(tmp_path: Path, tiny_model: Path, run_factory) -> None:
-    cfg = fault_config(tmp_path / "run", tiny_model, journal={"map_size_bytes": 64 * 1024})
-    run = run_factory(cfg)
-    run.finish()
-    assert (cfg.journal_dir / "data.mdb").stat().st_size > 64 * 1024
-
-
 def test_lmdb_on_a_full_filesystem_pauses_and_resumes(tmp_path: Path, tiny_model: Path, run_factory) -> None:
     mnt = tmp_path / "jfs"
     mnt.mkdir()
@@ -452,3 +336,179 @@ def test_lmdb_on_a_full_filesystem_pauses_and_resumes(tmp_path: Path, tiny_model
         run.finish()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+# One run for the faults below: one fleet start (~14 s on 2 cores: three processes import torch)
+# instead of seven. Its steps: the run goes on between faults at several steps a second, and the
+# faults' own waits (reclaim, resend, restarts) are fixed seconds, so a faster host spends more steps
+# on them: the faults before the last took 89 steps on a loaded 2-core host, and 200 leaves room for
+# one twice as fast (each test fails at once, naming this, when too few are left); the last kills
+# every service in turn with 12 steps each. What is left over after it costs ~0.15 s a step.
+SHARED_STEPS = 200 + 12 * len(KILLED)
+
+
+@pytest.fixture(scope="class")
+def shared_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Run]:
+    """The default fault config, with a 256 KiB message limit (for the oversized message) and a
+    64 KiB journal map (which must grow) that change nothing for the other faults."""
+    cfg = fault_config(tmp_path_factory.mktemp("shared") / "run", tiny_model, run={"max_steps": SHARED_STEPS},
+                       flow={"max_message_bytes": 256 * 1024}, journal={"map_size_bytes": 64 * 1024})
+    fleet = Fleet(cfg, restart_budget=3)
+    try:
+        yield Run(fleet, cfg, timeout_s=600)  # every test of the class in one run
+    finally:
+        fleet.stop(grace_s=10)
+
+
+def _changed(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    return {name: n - before.get(name, 0) for name, n in after.items() if n != before.get(name, 0)}
+
+
+class TestOneFleet:
+    """Faults injected one after another into one run, each only once the previous one healed (the
+    next step completed and its own checks passed), in the order they are written: pytest keeps
+    it. Each asserts its outcome on what changed while it ran (restarts, dead letters, versions);
+    the last one ends the run, whose every step and `rlfleet audit` then cover all of them. A fault
+    that broke the fleet fails the tests after it too, but the first failure names it."""
+
+    def test_bad_messages_are_dead_lettered_with_named_reasons(self, shared_run: Run) -> None:
+        run, cfg = shared_run, shared_run.cfg
+        run.expect_steps_left(4)
+        assert run.fleet.redis is not None
+        r = redis.Redis(port=run.fleet.redis.port)
+
+        def inject() -> None:
+            r.xadd(_stream(cfg, "rollouts"), {"data": b"\x0a\xff\xff\xff\xff\x0f garbage", "kind": "rollout",
+                                               "batch_id": "b999999:bad"})
+            r.xadd(_stream(cfg, "rollouts"), {"data": b"\x00" * (cfg.flow.max_message_bytes + 1), "kind": "rollout",
+                                               "batch_id": "b999998:big"})
+            wrong = pb.RolloutBatch(schema_version=1, batch_id="b999997:shape", task_ids=["t999997-0", "t999997-1"])
+            for field, dtype, shape in (("prompt_ids", "int64", [2, 3]), ("prompt_mask", "bool", [2, 3]),
+                                        ("response_ids", "int64", [2, 2]), ("response_mask", "bool", [2, 2]),
+                                        ("behaviour_logprobs", "float32", [2, 5]), ("group_ids", "int64", [2])):
+                t = getattr(wrong, field)
+                t.dtype, t.shape[:] = dtype, shape
+                n = 1
+                for d in shape:
+                    n *= d
+                t.data = b"\x00" * (n * {"int64": 8, "bool": 1, "float32": 4}[dtype])
+            r.xadd(_stream(cfg, "rollouts"), {"data": wrong.SerializeToString(), "kind": "rollout",
+                                               "batch_id": "b999997:shape"})
+            future = pb.PromptBatch(schema_version=99, batch_id="b999996")
+            r.xadd(_stream(cfg, "prompts"), {"data": future.SerializeToString(), "kind": "prompts",
+                                              "batch_id": "b999996"})
+            rows = cfg.batch.prompts_per_message * cfg.algo.group_size
+            nan = pb.ScoreBatch(schema_version=1, batch_id="b999995:nan", stage="reward",
+                                task_ids=[f"t{999995 + i // 2}-{i % 2}" for i in range(rows)])
+            nan.rewards.dtype, nan.rewards.shape[:] = "float32", [rows]
+            nan.rewards.data = b"\x00\x00\xc0\x7f" * rows  # float32 NaN
+            r.xadd(_stream(cfg, "scores"), {"data": nan.SerializeToString(), "kind": "score",
+                                             "batch_id": "b999995:nan"})
+
+        named = ("malformed", "oversized", "shape_mismatch", "schema_version", "non_finite")
+        run.fault("malformed, oversized, wrong shape, schema, NaN score", inject, at_step=run.step() + 1)
+        # On its own run this was checked once the run had ended, a few steps on: as many steps here.
+        wait_for_step(run.fleet, run.step() + 4)
+        deadline = time.monotonic() + 60
+        while True:
+            reasons = [e[1][b"reason"].decode() for e in r.xrange(_stream(cfg, "dead"))]
+            missing = [n for n in named if not any(n in x for x in reasons)]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for n in named:
+            assert any(n in x for x in reasons), f"no dead letter for {n}: {reasons}"
+
+    def test_sigstop_past_reclaim_then_sigcont_counts_once(self, shared_run: Run, tmp_path: Path) -> None:
+        """A stalled reward consumer's pending entries are reclaimed by a second replica; when it
+        wakes up its late score is a duplicate the controller ignores (the run's audit: exactly once)."""
+        run, cfg = shared_run, shared_run.cfg
+        run.expect_steps_left(4)
+        assert run.fleet.cfg is not None
+        replica_cfg = run.fleet.cfg.model_dump(mode="json")
+        replica_cfg["services"]["reward"].update(grpc_port=0, http_port=0)
+        replica_cfg["run"]["dir"] = str(tmp_path / "replica")
+        path = tmp_path / "replica.yaml"
+        path.write_text(yaml.safe_dump(replica_cfg))
+        log = (tmp_path / "replica.log").open("wb")
+        replica = subprocess.Popen([sys.executable, "-m", "services.reward", "--config", str(path)],
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            state_file = tmp_path / "replica" / "services" / "reward.json"
+            deadline = time.monotonic() + 90
+            while not (state_file.exists() and json.loads(state_file.read_text()).get("state") == "ready"):
+                assert replica.poll() is None, "the second reward replica exited"
+                assert time.monotonic() < deadline, "the second reward replica never became ready"
+                time.sleep(0.2)
+            victim = run.fleet.procs["reward"].proc.pid
+
+            def stall() -> None:
+                os.kill(victim, signal.SIGSTOP)
+                time.sleep(3 * cfg.flow.reclaim_idle_ms / 1000)
+                os.kill(victim, signal.SIGCONT)
+
+            run.fault("SIGSTOP reward past reclaim, SIGCONT", stall, at_step=run.step() + 1)
+            wait_for_step(run.fleet, run.step() + 4)
+            assert json.loads(state_file.read_text())["pid"] == replica.pid
+        finally:
+            replica.terminate()
+            replica.wait(timeout=30)
+            log.close()
+
+    def test_hot_swap_critic_under_load(self, shared_run: Run) -> None:
+        run, cfg = shared_run, shared_run.cfg
+        run.expect_steps_left(4)
+        before = run.restarts()
+        old = run.fleet.procs["critic"].proc.pid
+        timings: dict[str, float] = {}
+        run.fault("hot swap critic", lambda: timings.update(swap(cfg.run_dir, "critic", timeout_s=120)),
+                  at_step=run.step() + 1)
+        wait_for_step(run.fleet, run.step() + 4)
+        assert run.fleet.procs["critic"].proc.pid != old, "the drained critic was replaced"
+        assert run.fleet.procs["critic"].restarts == before["critic"], \
+            "a drained service is replaced, not counted as a crash"
+        served = [json.loads(x) for x in (cfg.run_dir / "events.jsonl").read_text().splitlines()]
+        critic = [e["version"] for e in served if e["kind"] == "version_served" and e["service"] == "critic"]
+        assert critic == sorted(critic), f"critic versions went backwards: {critic}"
+
+    @pytest.mark.parametrize("empty", [False, True], ids=["aof", "empty"])
+    def test_redis_kill9_and_restart(self, empty: bool, shared_run: Run) -> None:
+        run = shared_run
+        run.expect_steps_left(4)
+        before = run.restarts()
+        name = "redis restarted empty" if empty else "redis kill -9, AOF restart"
+        run.fault(name, _restart_redis(run.fleet, empty), at_step=run.step() + 1)
+        # On its own run, a crash was looked for until the run ended, a few steps on: as many here.
+        wait_for_step(run.fleet, run.step() + 4)
+        restarted = _changed(before, run.restarts())
+        assert not restarted, f"services crashed on a Redis outage instead of waiting: {restarted}"
+
+    def test_lmdb_map_full_grows_and_the_run_goes_on(self, shared_run: Run) -> None:
+        """The journal's map starts at 64 KiB: the run is past it (and goes on to its end in the
+        last test of this class)."""
+        run, cfg = shared_run, shared_run.cfg
+        run.expect_steps_left(1)
+        wait_for_step(run.fleet, max(8, run.step() + 1))
+        assert (cfg.journal_dir / "data.mdb").stat().st_size > 64 * 1024
+
+    def test_kill9_of_each_service_mid_step_recovers_without_loss(self, shared_run: Run) -> None:
+        """Every service killed in turn mid-run; the next one only once the previous victim's
+        replacement is ready, so each recovery is its own. Last: it ends the shared run, and the
+        run's every step and audit cover the faults before it too."""
+        # Steps take a fraction of a second and the pipeline runs ahead of a restarting scorer, so
+        # the run must have enough steps left to outlast five restarts.
+        run = shared_run
+        run.expect_steps_left(12 * len(KILLED))
+        before = run.restarts()
+        old = {name: run.fleet.procs[name].proc.pid for name in KILLED}
+        for service in KILLED:
+            run.expect_steps_left(2)
+            run.fault(f"kill -9 {service}", kill9(run.fleet, service), at_step=run.step() + 1)
+            deadline = time.monotonic() + 120
+            while not (run.fleet.procs[service].restarts == before[service] + 1 and _ready(run.fleet, service)):
+                assert time.monotonic() < deadline, f"{service} not back within 120s (supervise: {run.result!r})"
+                time.sleep(0.1)
+        run.finish()
+        for service in KILLED:
+            assert run.fleet.procs[service].proc.pid != old[service], f"the supervisor restarted {service}"
+        assert _changed(before, run.restarts()) == dict.fromkeys(KILLED, 1)
