@@ -26,9 +26,10 @@ from tests.faults.test_faults import Run, fault_config
 pytestmark = pytest.mark.slow
 
 # How long Redis stays down once the replacement controller is up: a controller that exits when
-# Redis is down (a start takes ~5 s here) is restarted again within it, which the outage's own
-# check catches; a waiting one rides it out (services wait up to bus.STARTUP_WAIT_S).
-REDIS_DOWN_S = 20.0
+# Redis is down (a start takes ~2 s here: it imports neither torch nor transformers) is restarted
+# again within it, which the outage's own check catches; a waiting one rides it out (services wait
+# up to bus.STARTUP_WAIT_S).
+REDIS_DOWN_S = 10.0
 
 
 @pytest.fixture

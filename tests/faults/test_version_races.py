@@ -29,7 +29,7 @@ from tests.fleet_helpers import tiny_config
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-AT = 3  # the step whose commit is interrupted: the victims' latest checkpoint (every 2) is version 2
+AT = 3  # the first step whose commit is interrupted: the victims' latest checkpoint (every 2) is one version behind
 POINTS = ["step_journaled", "trained", "versions_published", "journal_committed"]
 
 
@@ -76,44 +76,49 @@ def _up(fleet: Fleet, name: str) -> bool:
     return r.status_code == 200 or "connecting to redis" not in r.json().get("reasons", ["connecting to redis"])
 
 
-# Every moment with both trainables killed (PPO); the GRPO actor alone at the moment the issue's run
-# was lost at (the journal committed, Redis not yet told): the other GRPO moments are the same code path.
-CASES = [pytest.param("ppo", ("actor", "critic"), p, id=f"ppo-actor+critic-{p}") for p in POINTS] + [
-    pytest.param("grpo", ("actor",), "journal_committed", id="grpo-actor-journal_committed")]
+# Every moment with both trainables killed (PPO), one run pausing at each in turn, two steps apart so
+# that each pair of replacements starts from the checkpoint one version behind the step; the GRPO
+# actor alone at the moment the issue's run was lost at (the journal committed, Redis not yet told):
+# the other GRPO moments are the same code path.
+PPO_KILLS = {p: AT + 2 * i for i, p in enumerate(POINTS)}
+CASES = [pytest.param("ppo", ("actor", "critic"), PPO_KILLS, id="ppo-actor+critic-at-every-point"),
+         pytest.param("grpo", ("actor",), {"journal_committed": AT}, id="grpo-actor-journal_committed")]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("algo", "victims", "point"), CASES)
+@pytest.mark.parametrize(("algo", "victims", "kills"), CASES)
 def test_a_trainable_killed_at_any_moment_of_a_step_commit_catches_up_before_it_serves(
-    algo: str, victims: tuple[str, ...], point: str, tmp_path: Path, tiny_model: Path, fleet_factory: Any,
-    monkeypatch: pytest.MonkeyPatch,
+    algo: str, victims: tuple[str, ...], kills: dict[str, int], tmp_path: Path, tiny_model: Path,
+    fleet_factory: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(ENV, f"{point}@{AT}")
-    cfg = race_config(tmp_path / "run", tiny_model, algo)
-    fleet = fleet_factory(cfg, restart_budget=3)
+    monkeypatch.setenv(ENV, ",".join(f"{point}@{step}" for point, step in kills.items()))
+    steps = max(kills.values()) + 1
+    cfg = race_config(tmp_path / "run", tiny_model, algo, run={"max_steps": steps})
+    fleet = fleet_factory(cfg, restart_budget=len(kills) + 1)
     fleet.start(ready_timeout_s=180)
     result: list[Any] = []
     sup = threading.Thread(target=lambda: result.append(_supervise(fleet)), daemon=True)
     sup.start()
     try:
-        _kill_in_the_gap(fleet, cfg, point, victims, result)
+        for point, step in kills.items():
+            _kill_in_the_gap(fleet, cfg, f"{point}@{step}", victims, result)
         sup.join(timeout=360)
     finally:
         fleet.restart_budget = 0  # a supervisor still running must not restart what teardown stops
     assert result == [0], f"supervise: {result}"
     assert fleet.procs["controller"].restarts == 0, "the controller crashed (a stamped stale version?)"
-    assert all(fleet.procs[v].restarts == 1 for v in victims)
+    assert {v: fleet.procs[v].restarts for v in victims} == dict.fromkeys(victims, len(kills))
     rows = read_metrics(cfg.run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     report = audit(cfg.run_dir, finished=True)
     assert report.ok, report.render()
 
 
-def _kill_in_the_gap(fleet: Fleet, cfg: RunConfig, point: str, victims: tuple[str, ...], result: list[Any]) -> None:
-    marker = fault_dir(cfg.run_dir) / f"{point}@{AT}"
+def _kill_in_the_gap(fleet: Fleet, cfg: RunConfig, fault: str, victims: tuple[str, ...], result: list[Any]) -> None:
+    marker = fault_dir(cfg.run_dir) / fault
     _until(lambda: marker.with_suffix(".reached").exists() or bool(result), 180,
-           f"the controller did not reach {point}@{AT}")
-    assert not result, f"the run ended before {point}@{AT}: {result}"
+           f"the controller did not reach {fault}")
+    assert not result, f"the run ended before {fault}: {result}"
     old = {v: fleet.procs[v].proc.pid for v in victims}
     for v in victims:
         os.kill(old[v], signal.SIGKILL)
