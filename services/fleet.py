@@ -372,7 +372,7 @@ class Fleet:
             out[name] = row
         return out
 
-    def supervise(self, on_tick: Callable[[dict[str, Any]], None] | None = None, poll_s: float = 0.5,
+    def supervise(self, on_tick: Callable[[dict[str, Any]], None] | None = None, poll_s: float = 0.2,
                   timeout_s: float | None = None) -> int:
         """Run until the controller finishes; restart dead services within the budget."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -35,7 +35,7 @@ from services.tasks.rewards import configured_reward
 log = logging.getLogger("rlfleet.controller.eval")
 
 # How long the evaluation before training waits for an actor that is still starting.
-_UNAVAILABLE_RETRY_S = 0.5
+_UNAVAILABLE_RETRY_S = 0.1  # a refused call costs a loopback round trip
 
 
 class EvalFailed(Exception):

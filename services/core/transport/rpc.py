@@ -31,9 +31,11 @@ RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLI
 # gRPC's reconnect backoff grows to 120 s by default: a channel that found its peer down while the peer
 # started (the actor's vLLM engine takes a minute or two) kept failing for up to a minute after the peer
 # was serving. On the H200 run of 2026-12-02 the controller reached a ready actor 25-61 s late, which
-# was most of rlfleet's lag to its first step behind TRL's. Capped at a second, a restarted or
-# hot-swapped peer is reached within about a second; a connection attempt to a fleet peer costs little.
-RECONNECT_BACKOFF_MS = 1000
+# was most of rlfleet's lag to its first step behind TRL's. Capped at a second, the evaluation before
+# training still started 1-1.5 s after the actor was ready (CPU fleet logs, 2026-12-06): every start
+# and every restart paid it. A connection attempt to a fleet peer that is down is one refused SYN, so
+# a quarter second costs nothing and a restarted or hot-swapped peer is reached within about that.
+RECONNECT_BACKOFF_MS = 250
 
 
 def make_channel(
@@ -46,7 +48,7 @@ def make_channel(
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.initial_reconnect_backoff_ms", min(200, RECONNECT_BACKOFF_MS)),
+            ("grpc.initial_reconnect_backoff_ms", min(100, RECONNECT_BACKOFF_MS)),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
             *options,
         ],
