@@ -178,14 +178,11 @@ def _up(fleet: Any, cfg: RunConfig, args: argparse.Namespace, console: Any) -> i
                       f" in {fleet.run_dir}")
     else:
         console.print(f"[bold]rlfleet up[/]: preparing {cfg.run.name} in {fleet.run_dir}")
-    from services.core.serving.entry import quiet_torch
-
-    fleet.reserve_ports()  # checked before torch loads: a taken port is a one-second failure
-    # Kept before Redis starts although a policy given by path needs no torch here (~5 s on the H200
-    # host): a stop signal during this import exits at once, while one during the services' start-up
-    # can outlast the 25 s watchdog on a loaded host (CI, 2026-12-02). Own issue: see the closing note.
-    with fleet.hold_signals(nothing_started=True):  # a KeyboardInterrupt in torch's import is lost or aborts it
-        quiet_torch()
+    fleet.reserve_ports()  # before anything binds one: a taken port is a one-second failure
+    # No torch here for a policy given by path: importing it put 5-6 s between the preflight and
+    # Redis on every start on the GPU host (2026-12-07), all of it before the first step. A policy to
+    # build imports it in prepare (under hold_signals); a stop during the services' start-up is
+    # bounded by STARTUP_HARD_EXIT_S, which the 2026-12-02 CI failure that once kept it here predates.
     fleet.prepare()
     fleet.start(ready_timeout_s=args.ready_timeout)
     log.info("all services ready", extra={"seconds": round(time.monotonic() - _T0, 2)})

@@ -26,6 +26,27 @@ finally:
 """
 
 
+UP = """
+import json, sys
+import services.fleet
+from services import cli
+
+seen = {}
+
+def start(self, ready_timeout_s=180.0):  # where `rlfleet up` launches its services: what it loaded by then
+    seen.update(torch="torch" in sys.modules, transformers="transformers" in sys.modules,
+                redis=self.redis is not None and self.redis.proc.poll() is None)
+
+services.fleet.Fleet.start = start
+services.fleet.Fleet.supervise = lambda self, *a, **k: 0
+sys.argv = ["rlfleet", "up", "--config", sys.argv[1]]
+try:
+    cli.main()
+finally:
+    print(json.dumps(seen))
+"""
+
+
 def _prepare(cfg: dict[str, object]) -> dict[str, bool]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", PREPARE, json.dumps(cfg)], cwd=ROOT, env=env, capture_output=True,
@@ -39,7 +60,7 @@ def test_a_policy_given_by_path_starts_redis_without_the_launcher_importing_torc
                                                                                   tiny_model: Path) -> None:
     # Seen on the H200: the launcher spent seconds (24 s on a loaded 2-core host) importing torch and
     # transformers' model code before it started Redis and any service, though a model given by path
-    # needs no build. (`rlfleet up` itself still imports torch first, in quiet_torch: see services/cli.py.)
+    # needs no build.
     got = _prepare({"run": {"dir": str(tmp_path / "run")}, "models": {"policy": {"path": str(tiny_model)}}})
     assert got == {"torch": False, "transformers": False, "redis": True}
     recs = [json.loads(ln) for ln in (tmp_path / "run" / "logs" / "launcher.log").read_text().splitlines()
@@ -52,3 +73,20 @@ def test_a_policy_to_build_is_built_by_the_launcher_before_any_service_starts(tm
     got = _prepare({"run": {"dir": str(tmp_path / "run")}, "models": {"policy": {"build": {"warmup_steps": 0}}}})
     assert got["torch"] and got["redis"]
     assert (tmp_path / "run" / "models" / "policy" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_rlfleet_up_starts_its_services_without_importing_torch_for_a_policy_given_by_path(
+        tmp_path: Path, tiny_model: Path) -> None:
+    # Seen on the H100 (2026-12-07): `rlfleet up` imported torch before starting Redis, 6 s between
+    # its preflight and Redis on every start, all of it before the first optimizer step.
+    import yaml
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"dir": str(tmp_path / "run")},
+                                   "models": {"policy": {"path": str(tiny_model)}}}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", UP, str(cfg)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=180)
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"torch": False, "transformers": False, "redis": True}, p.stderr[-2000:]
