@@ -130,7 +130,8 @@ def summarize_task(by_config: dict[str, list[dict[str, Any]]]) -> dict[str, Any]
         c["target_half_time_met"] = c["time_ratio"] is not None and c["time_ratio"] <= TIME_TARGET_RATIO
         firsts = [(c[f"first_step_s_{k}"]["median"], trl[f"first_step_s_{k}"]["median"]) for k in ("cold", "warm")]
         pairs = [(a, b) for a, b in firsts if a is not None and b is not None]
-        c["target_first_step_met"] = bool(pairs) and all(a <= b for a, b in pairs)
+        # None: no cache state in which both ran, so nothing to compare (not a miss)
+        c["target_first_step_met"] = all(a <= b for a, b in pairs) if pairs else None
     return out
 
 
@@ -156,7 +157,7 @@ def _med_range(s: dict[str, Any], fmt: Any) -> str:
 
 
 def _met(flag: bool | None) -> str:
-    return "**met**" if flag else "**missed**"
+    return "not measured" if flag is None else "**met**" if flag else "**missed**"
 
 
 def render_task(task: str, s: dict[str, Any]) -> list[str]:

@@ -79,6 +79,13 @@ def test_the_targets_are_missed_when_the_fleet_learns_less_per_step_or_starts_la
     assert spread([None, None]) == {"median": None, "min": None, "max": None, "n": 2, "missing": 2}
 
 
+def test_a_first_step_with_no_trl_run_in_the_same_cache_state_is_not_measured_rather_than_missed() -> None:
+    trl = [_run([(0, 120, 0.0), (5, 130, 0.2)], 120, cold=True)]
+    fleet = [_run([(0, 50, 0.0), (5, 60, 0.3)], 50)]  # warm only, against a cold TRL
+    c = summarize_task({"trl": trl, "fleet": fleet})["configs"]["fleet"]
+    assert c["target_first_step_met"] is None
+
+
 def test_runs_are_read_by_their_file_names_and_failed_ones_left_out(tmp_path: Path) -> None:
     (tmp_path / "chain_sum-trl-s2.json").write_text(json.dumps(_run([(0, 1, 0.0), (5, 2, 0.1)], 1)))
     (tmp_path / "chain_sum-fleet-s0.json").write_text(json.dumps({"ok": False, "error": "boom"}))
