@@ -193,6 +193,10 @@ def _up(fleet: Any, cfg: RunConfig, args: argparse.Namespace, console: Any) -> i
     if code == 0:
         fleet.stop()  # the actor checkpoints its final version as it drains; the export reads it
         fleet.check_stop()
+        from services.core.serving.entry import quiet_torch
+
+        with fleet.hold_signals():  # the export's torch import, the launcher's first: not to be interrupted
+            quiet_torch()  # and no progress bars from transformers in the user's console
         code = _export_final(fleet.run_dir, console)
     return code
 
