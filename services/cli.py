@@ -181,6 +181,7 @@ def _up(fleet: Any, cfg: RunConfig, args: argparse.Namespace, console: Any) -> i
     from services.core.serving.entry import quiet_torch
 
     fleet.reserve_ports()  # checked before torch loads: a taken port is a one-second failure
+    fleet.start_zygote()  # the services' torch loads in it meanwhile (services.prefork)
     # Kept before Redis starts although a policy given by path needs no torch here (~5 s on the H200
     # host): a stop signal during this import exits at once, while one during the services' start-up
     # can outlast the 25 s watchdog on a loaded host (CI, 2026-12-02). Own issue: see the closing note.

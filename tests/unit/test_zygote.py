@@ -1,10 +1,12 @@
-"""The zygote (`services.core.host.zygote`): a forked child behaves as a Popen'd `python -m` would
-(exit code, signals, its own process group, its own environment and descriptors, its log), and every
-way the zygote can fail leaves no orphan."""
+"""The zygote (`services.core.host.zygote`) and the launcher's use of it (`services.prefork`): a forked
+child behaves as a Popen'd `python -m` would (exit code, signals, its own process group, its own
+environment and descriptors, its log), and every way the zygote can fail leaves no orphan and falls
+back to Popen."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -15,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from services.core.config.run import SERVICE_NAMES, RunConfig, parse_config
 from services.core.host import lifeline
 from services.core.host.ports import pid_alive
 from services.core.host.zygote import LOST_RETURNCODE, Zygote, ZygoteChild, ZygoteError
+from services.prefork import ENV, PRELOAD, Launcher, forks
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = "tests.unit.zygote_child"
@@ -171,3 +175,60 @@ def test_a_zygote_still_importing_stops_at_once(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 2 and not z.alive
     with pytest.raises(ZygoteError):
         _spawn(z, tmp_path, "pass")
+
+
+def test_a_preload_that_imports_grpc_is_refused_and_the_launcher_falls_back_to_popen(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    z = Zygote.start(python=sys.executable, env=_env(), log_path=tmp_path / "zygote.log", preload=["grpc"])
+    try:
+        assert not z.wait_ready(60)
+        assert _until(lambda: not z.alive)
+        assert z.refused is not None and "grpc" in z.refused
+    finally:
+        z.stop()
+    launcher = Launcher(tmp_path, sys.executable)
+    launcher.zygote = z  # as start_zygote would have, with this preload
+    with caplog.at_level(logging.WARNING, logger="rlfleet.fleet"):
+        proc = launcher.spawn(CHILD, ["import sys; sys.exit(5)"], _env(), tmp_path / "child.log", fork=True)
+    assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=30) == 5
+    assert any("Popen" in r.getMessage() and "grpc" in str(getattr(r, "error", "")) for r in caplog.records)
+    assert launcher.zygote is None  # and stays so for this run
+
+
+def test_a_launcher_whose_zygote_died_starts_services_with_popen(tmp_path: Path) -> None:
+    launcher = Launcher(tmp_path, sys.executable)
+    launcher.start_zygote(_env())
+    assert launcher.zygote is not None and launcher.zygote.wait_ready(60)
+    forked = launcher.spawn(CHILD, ["import sys; sys.exit(3)"], _env(), tmp_path / "a.log", fork=True)
+    assert isinstance(forked, ZygoteChild) and forked.wait(timeout=30) == 3
+    assert lifeline.holders(tmp_path) == [f"zygote pid {launcher.zygote.pid}"]  # a stray the next launcher names
+    launcher.kill()
+    proc = launcher.spawn(CHILD, ["import sys; sys.exit(4)"], _env(), tmp_path / "b.log", fork=True)
+    assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=30) == 4
+    launcher.stop()
+
+
+def test_the_default_preload_imports_no_grpc_and_starts_no_thread() -> None:
+    code = (f"from services.core.host.zygote import preload\nprint('refused:', preload({list(PRELOAD)!r}))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "refused: None", p.stderr[-2000:]
+    assert "preload failed" not in p.stderr, p.stderr[-2000:]
+
+
+def _cfg(tmp_path: Path, **sections: dict[str, object]) -> RunConfig:
+    data: dict[str, object] = {"run": {"dir": str(tmp_path)}, **sections}
+    return parse_config(data, source="test")
+
+
+def test_only_the_cpu_services_that_import_torch_are_forked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    cfg = _cfg(tmp_path)
+    assert [n for n in SERVICE_NAMES if forks(cfg, n, False)] == ["actor", "critic", "reference"]
+    assert not forks(cfg, "actor", True)  # services pinned to GPUs
+    gpu_engine = _cfg(tmp_path, generation={"device": "cuda"})
+    assert not forks(gpu_engine, "actor", False) and forks(gpu_engine, "reference", False)
+    gpu_scorer = _cfg(tmp_path, services={"reference": {"device": "cuda"}})
+    assert not forks(gpu_scorer, "reference", False)
+    monkeypatch.setenv(ENV, "0")
+    assert not forks(cfg, "actor", False)
