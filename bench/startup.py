@@ -30,6 +30,7 @@ import yaml
 
 from services.core.config.run import RunConfig, load_config
 from services.fleet import Fleet
+from services.prefork import ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "services" / "examples" / "tiny-cpu.yaml"
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir.parent / "startup.yaml").write_text(yaml.safe_dump(data))
     base = load_config(run_dir.parent / "startup.yaml")
     names = [n for n in args.services.split(",") if n] or list(base.services_needed())
+    # Each service is started here with Popen, alone: a zygote importing beside it would only skew the
+    # figures (bench.fleet_start measures the fleet with and without one).
+    os.environ[ENV] = "0"
     fleet = Fleet(base)
     rows: dict[str, dict[str, Any]] = {}
     try:

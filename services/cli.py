@@ -179,6 +179,7 @@ def _up(fleet: Any, cfg: RunConfig, args: argparse.Namespace, console: Any) -> i
     else:
         console.print(f"[bold]rlfleet up[/]: preparing {cfg.run.name} in {fleet.run_dir}")
     fleet.reserve_ports()  # before anything binds one: a taken port is a one-second failure
+    fleet.start_zygote()  # the services' torch loads in it meanwhile (services.prefork)
     # No torch here for a policy given by path: importing it put 5-6 s between the preflight and
     # Redis on every start on the GPU host (2026-12-07), all of it before the first step. A policy to
     # build imports it in prepare (under hold_signals); a stop during the services' start-up is

@@ -33,6 +33,7 @@ from services.core.host.placement import Inventory, PlacementError, Plan, discov
 from services.core.host.ports import PortClaims, PortRequest, assign_ports
 from services.core.host.redis_proc import RedisProcess, start_redis
 from services.preflight import RunState, check_fleet
+from services.prefork import Child, Launcher, forks, kill_group
 
 log = logging.getLogger("rlfleet.fleet")
 
@@ -63,7 +64,7 @@ STARTUP_GRACE_S, STARTUP_HARD_EXIT_S = 4.0, 9.0  # the two before all are ready:
 @dataclass
 class ServiceProc:
     name: ServiceName
-    proc: subprocess.Popen[bytes]
+    proc: Child  # a subprocess.Popen, or a fork of the zygote with the same interface
     log_path: Path
     http_port: int
     restarts: int = 0
@@ -113,6 +114,7 @@ class Fleet:
         self.run_dir = cfg.run_dir.resolve()
         self.restart_budget = restart_budget
         self.python = python
+        self.launcher = Launcher(self.run_dir, python)  # Popen, or forks of a zygote (start_zygote)
         self.redis: RedisProcess | None = None
         self.mps: MpsDaemon | None = None  # run.cuda_mps
         self.procs: dict[str, ServiceProc] = {}
@@ -231,12 +233,13 @@ class Fleet:
         # A policy given by path needs no build: preflight checked its directory, and the services
         # load it themselves, so Redis and the services start without the launcher importing torch.
         build = not given_by_path(self.base_cfg.models.policy, "policy", self.run_dir)
+        self.preflight()
+        self.start_zygote()  # its imports overlap the launcher's own, Redis's start and the model's build
         if build:
             with self.hold_signals(nothing_started=True):  # loads transformers and torch: see hold_signals
                 from services.models.roles import resolve as roles
 
                 roles.import_builders()  # the model code roles.prepare may build with (services import it lazily)
-        self.preflight()
         ports, private_redis, redis_url = self.reserve_ports(), self.base_cfg.redis.url is None, None
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.check_stop()
@@ -282,11 +285,21 @@ class Fleet:
             log.info("placed", extra={"child": name, "group": group, "gpus": plan.gpu_ids(name) or "none"})
         return plan
 
-    def service_env(self, name: ServiceName, replica: int = 0) -> dict[str, str]:
+    def start_zygote(self) -> None:
+        """Start the zygote CPU services fork from (`services.prefork`) if any will: after preflight (the placement)."""
+        cfg = self.cfg or self.base_cfg
+        if any(forks(cfg, name, self.plan is not None) for name in cfg.services_needed()):
+            with self.hold_signals():  # started and recorded, or not started: see hold_signals
+                self.launcher.start_zygote(self.service_env(None))
+
+    def service_env(self, name: ServiceName | None, replica: int = 0) -> dict[str, str]:
+        """The environment service `name` starts with; None: the zygote's, what every fork starts from."""
         env = lifeline.launcher_env(dict(os.environ, PYTHONUNBUFFERED="1"))  # it stops if this launcher dies
         # Set by wandb.init in the launching process: inherited, every controller would share that
         # process's wandb-core, and a killed controller's W&B run would stay "in use" for its replacement.
         env.pop("WANDB_SERVICE", None)
+        if name is None:
+            return env
         if self.plan is not None:
             # A service without a device group sees no GPU at all: nothing lands on one by accident.
             env.update(self.plan.service_env(name, replica))
@@ -298,22 +311,19 @@ class Fleet:
         assert self.cfg is not None
         key = f"{name}-{replica}" if replica else name
         log_path = self.run_dir / "logs" / f"{key}.log"
-        env = self.service_env(name, replica)
-        args = [self.python, "-m", f"services.{name}", "--config", str(self.config_path)]
-        if replica:
-            args += ["--replica", str(replica)]
-        with log_path.open("ab") as out:
-            proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops services in order
-            )
+        argv = ["--config", str(self.config_path)] + (["--replica", str(replica)] if replica else [])
+        proc = self.launcher.spawn(f"services.{name}", argv, self.service_env(name, replica), log_path,
+                                   fork=forks(self.cfg, name, self.plan is not None), check=self.check_stop)
         return ServiceProc(name, proc, log_path, self.cfg.endpoint(name).http_port, replica=replica)
 
     def start(self, ready_timeout_s: float = 180.0) -> None:
         cfg = self.cfg or self.prepare()
-        # Scorers and the actor first: the controller starts admitting as soon as it is ready.
-        order = [n for n in cfg.services_needed() if n != "controller"] + ["controller"]
-        for name in order:
+        self.start_zygote()  # again after a stop
+        # Scorers and the actor first: the controller starts admitting as soon as it is ready. Popen's
+        # before the forks, which may wait for the zygote's imports.
+        others = sorted((n for n in cfg.services_needed() if n != "controller"),
+                        key=lambda n: forks(cfg, n, self.plan is not None))
+        for name in [*others, "controller"]:
             self._launch(name, name)  # type: ignore[arg-type]
             for k in range(1, cfg.endpoint(name).replicas):  # type: ignore[arg-type]
                 self._launch(f"{name}-{k}", name, replica=k)  # type: ignore[arg-type]
@@ -431,9 +441,10 @@ class Fleet:
                 log.log(  # one still starting (a short grace): expected, so in the launcher's log only
                     logging.WARNING if self.ready else logging.INFO, "service did not stop in time; killing it",
                     extra={"child": sp.name, "pid": sp.proc.pid, "grace_s": grace_s})
-                _kill_group(sp.proc)
+                kill_group(sp.proc)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     sp.proc.wait(timeout=5)
+        self.launcher.stop()  # after the services: its children would get SIGTERM from its exit
         if self.redis is not None:
             self.redis.stop()
         if self.mps is not None:  # after the services: the daemon's server exits with its last client
@@ -448,23 +459,13 @@ class Fleet:
     def kill(self) -> None:
         """SIGKILL everything this launcher started, at once (no drain, no wait); safe from any thread."""
         for sp in list(self.procs.values()):
-            _kill_group(sp.proc)
+            kill_group(sp.proc)
+        self.launcher.kill()
         if self.redis is not None:
             with contextlib.suppress(OSError):
                 self.redis.proc.kill()
         if self.mps is not None:
             self.mps.quit_nowait()
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a service and what it started: it leads its own process group (start_new_session).
-    Only while it is not reaped, so its pid (the group id) cannot belong to another process yet."""
-    if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            with contextlib.suppress(OSError):
-                proc.kill()
 
 
 def last_error(path: Path) -> str:
