@@ -316,11 +316,11 @@ class Fleet:
     def start(self, ready_timeout_s: float = 180.0) -> None:
         cfg = self.cfg or self.prepare()
         self.start_zygote()  # again after a stop
-        # Scorers and the actor first: the controller starts admitting as soon as it is ready. Popen's
-        # before the forks, which may wait for the zygote's imports.
-        others = sorted((n for n in cfg.services_needed() if n != "controller"),
-                        key=lambda n: forks(cfg, n, self.plan is not None))
-        for name in [*others, "controller"]:
+        # Scorers and the actor before the controller, which admits as soon as it is ready; but the forks
+        # of the zygote after all others: they may wait for its imports, and the others' use the core it
+        # leaves idle meanwhile (what the controller admits waits in Redis: groups read from the start).
+        order = sorted(cfg.services_needed(), key=lambda n: (forks(cfg, n, self.plan is not None), n == "controller"))
+        for name in order:
             self._launch(name, name)  # type: ignore[arg-type]
             for k in range(1, cfg.endpoint(name).replicas):  # type: ignore[arg-type]
                 self._launch(f"{name}-{k}", name, replica=k)  # type: ignore[arg-type]
