@@ -32,8 +32,9 @@ from services.core.host.mps import MpsDaemon, MpsError
 from services.core.host.placement import Inventory, PlacementError, Plan, discover_gpus
 from services.core.host.ports import PortClaims, PortRequest, assign_ports
 from services.core.host.redis_proc import RedisProcess, start_redis
+from services.core.host.zygote import Zygote
 from services.preflight import RunState, check_fleet
-from services.prefork import Child, Launcher, forks, kill_group
+from services.prefork import Child, Launcher, base_env, forks, kill_group
 
 log = logging.getLogger("rlfleet.fleet")
 
@@ -108,13 +109,15 @@ def resolve_fleet_config(cfg: RunConfig, redis_url: str | None, ports: Mapping[s
 
 class Fleet:
     def __init__(self, cfg: RunConfig, restart_budget: int = 3, python: str = sys.executable,
-                 inventory: Inventory | None = None) -> None:
+                 inventory: Inventory | None = None, zygote: Zygote | None = None) -> None:
+        """`zygote`: one the caller started (`services.prefork.start_zygote`) and stops, forked from
+        instead of a zygote of the fleet's own (a test session shares one among its fleets)."""
         self.base_cfg = cfg
         self.inventory = inventory  # None: NVML, when the config has device groups
         self.run_dir = cfg.run_dir.resolve()
         self.restart_budget = restart_budget
         self.python = python
-        self.launcher = Launcher(self.run_dir, python)  # Popen, or forks of a zygote (start_zygote)
+        self.launcher = Launcher(self.run_dir, python, zygote)  # Popen, or forks of a zygote (start_zygote)
         self.redis: RedisProcess | None = None
         self.mps: MpsDaemon | None = None  # run.cuda_mps
         self.procs: dict[str, ServiceProc] = {}
@@ -290,16 +293,10 @@ class Fleet:
         cfg = self.cfg or self.base_cfg
         if any(forks(cfg, name, self.plan is not None) for name in cfg.services_needed()):
             with self.hold_signals():  # started and recorded, or not started: see hold_signals
-                self.launcher.start_zygote(self.service_env(None))
+                self.launcher.start_zygote()
 
-    def service_env(self, name: ServiceName | None, replica: int = 0) -> dict[str, str]:
-        """The environment service `name` starts with; None: the zygote's, what every fork starts from."""
-        env = lifeline.launcher_env(dict(os.environ, PYTHONUNBUFFERED="1"))  # it stops if this launcher dies
-        # Set by wandb.init in the launching process: inherited, every controller would share that
-        # process's wandb-core, and a killed controller's W&B run would stay "in use" for its replacement.
-        env.pop("WANDB_SERVICE", None)
-        if name is None:
-            return env
+    def service_env(self, name: ServiceName, replica: int = 0) -> dict[str, str]:
+        env = base_env()  # os.environ, and the launcher's pid for the service's lifeline
         if self.plan is not None:
             # A service without a device group sees no GPU at all: nothing lands on one by accident.
             env.update(self.plan.service_env(name, replica))
@@ -319,11 +316,11 @@ class Fleet:
     def start(self, ready_timeout_s: float = 180.0) -> None:
         cfg = self.cfg or self.prepare()
         self.start_zygote()  # again after a stop
-        # Scorers and the actor first: the controller starts admitting as soon as it is ready. Popen's
-        # before the forks, which may wait for the zygote's imports.
-        others = sorted((n for n in cfg.services_needed() if n != "controller"),
-                        key=lambda n: forks(cfg, n, self.plan is not None))
-        for name in [*others, "controller"]:
+        # Scorers and the actor before the controller, which admits as soon as it is ready; but the forks
+        # of the zygote after all others: they may wait for its imports, and the others' use the core it
+        # leaves idle meanwhile (what the controller admits waits in Redis: groups read from the start).
+        order = sorted(cfg.services_needed(), key=lambda n: (forks(cfg, n, self.plan is not None), n == "controller"))
+        for name in order:
             self._launch(name, name)  # type: ignore[arg-type]
             for k in range(1, cfg.endpoint(name).replicas):  # type: ignore[arg-type]
                 self._launch(f"{name}-{k}", name, replica=k)  # type: ignore[arg-type]

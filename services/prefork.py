@@ -13,6 +13,10 @@ numbers). Started as before:
 
 A zygote that cannot serve (it refused, died, or did not answer) is dropped with a warning, and the
 services it would have forked start with Popen from then on: slower, never worse.
+
+A fleet starts a zygote of its own, stopped with it. A process that launches many fleets (the test
+session) may start one with `start_zygote` and hand it to each (`Fleet(zygote=...)`): they fork from
+it and leave it running, and only the first pays for its imports.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -63,6 +68,23 @@ def forks(cfg: RunConfig, name: ServiceName, placed: bool) -> bool:
     return name != "actor" or (g.engine == "transformers" and g.device == "cpu")
 
 
+def base_env() -> dict[str, str]:
+    """The environment every service starts from (a zygote too): this process's, unbuffered, naming
+    this launcher for the service's lifeline."""
+    env = lifeline.launcher_env(dict(os.environ, PYTHONUNBUFFERED="1"))  # it stops if this launcher dies
+    # Set by wandb.init in the launching process: inherited, every controller would share that
+    # process's wandb-core, and a killed controller's W&B run would stay "in use" for its replacement.
+    env.pop("WANDB_SERVICE", None)
+    return env
+
+
+def start_zygote(log_path: Path, python: str = sys.executable, run_dir: Path | None = None) -> Zygote:
+    """A zygote importing PRELOAD with `base_env`, logging to `log_path`; `run_dir` names the run on its
+    command line (and its forks')."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    return Zygote.start(python=python, env=base_env(), log_path=log_path, preload=PRELOAD, run_dir=run_dir)
+
+
 def popen(module: str, argv: Sequence[str], env: dict[str, str], log_path: Path,
           python: str) -> subprocess.Popen[bytes]:
     with log_path.open("ab") as out:
@@ -73,22 +95,21 @@ def popen(module: str, argv: Sequence[str], env: dict[str, str], log_path: Path,
 
 
 class Launcher:
-    """Starts a fleet's service processes (`spawn`), through a zygote once `start_zygote` started one."""
+    """Starts a fleet's service processes (`spawn`): forks of `zygote` (the caller's, which it keeps
+    running) or of one `start_zygote` starts, else Popen."""
 
-    def __init__(self, run_dir: Path, python: str) -> None:
+    def __init__(self, run_dir: Path, python: str, zygote: Zygote | None = None) -> None:
         self.run_dir = run_dir
         self.python = python
-        self.zygote: Zygote | None = None
+        self.zygote = zygote
+        self._shared = zygote is not None  # the caller's: never stopped here
         self._dropped = False  # a zygote failed in this run: Popen until `stop`
 
-    def start_zygote(self, env: dict[str, str]) -> None:
-        """Start the zygote (once; it imports while the launcher goes on), with the environment every
-        service starts from."""
+    def start_zygote(self) -> None:
+        """Start the fleet's zygote (once; it imports while the launcher goes on), unless it has one."""
         if self.zygote is not None or self._dropped:
             return
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.zygote = Zygote.start(python=self.python, env=env, log_path=self.run_dir / "logs" / "zygote.log",
-                                   preload=PRELOAD, run_dir=self.run_dir)
+        self.zygote = start_zygote(self.run_dir / "logs" / "zygote.log", self.python, self.run_dir)
         lifeline.record(self.run_dir, "zygote", self.zygote.pid)
         log.info("zygote started", extra={"pid": self.zygote.pid})
 
@@ -114,21 +135,21 @@ class Launcher:
     def _drop(self) -> None:
         self._dropped = True
         if self.zygote is not None:
-            self.zygote.kill()  # a child it forked but did not report dies with it, not unseen
+            self.zygote.kill()  # a child it forked but did not report dies with it, not unseen (shared too)
             self.zygote.stop(timeout=1.0)
             self.zygote = None
 
     def stop(self) -> None:
-        """Stop the zygote, after the services: children it still has get SIGTERM from its exit."""
-        if self.zygote is not None:
+        """Stop the fleet's own zygote, after the services: children it still has get SIGTERM from its exit."""
+        if self.zygote is not None and not self._shared:
             self.zygote.stop()
             self.zygote = None
         self._dropped = False
 
     def kill(self) -> None:
-        """SIGKILL the zygote; safe from a signal handler or any thread."""
+        """SIGKILL the fleet's own zygote; safe from a signal handler or any thread."""
         z = self.zygote
-        if z is not None:
+        if z is not None and not self._shared:
             z.kill()
 
 

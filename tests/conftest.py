@@ -11,9 +11,12 @@ import pytest
 
 from services.core.config.run import load_config
 from services.core.host.redis_proc import RedisProcess, start_redis
+from services.core.host.zygote import Zygote
 from services.core.serving.entry import quiet_torch
 from services.fleet import Fleet
 from services.models.roles.paths import resolve_model_path
+from services.prefork import ENV as ZYGOTE_ENV
+from services.prefork import start_zygote
 from services.tasks import load_task
 from tests.fleet_helpers import EXAMPLE
 
@@ -86,13 +89,30 @@ def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             tmp_path_factory.mktemp("random") / "m", seed=0)
 
 
+@pytest.fixture(scope="session")
+def shared_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote | None]:
+    """One zygote for the session's fleets (`services.prefork`): each forks its actor, reference and
+    critic from it rather than from a zygote of its own, whose imports (~6 s of CPU, on a 2-core host
+    as long as the rest of the start together) would pace every fleet's start. `rlfleet up` in a
+    subprocess, and Fleets made without this fixture, still start their own. None with RLFLEET_ZYGOTE=0."""
+    if os.environ.get(ZYGOTE_ENV) == "0":
+        yield None
+        return
+    zygote = start_zygote(tmp_path_factory.mktemp("zygote") / "zygote.log")
+    try:
+        yield zygote
+    finally:
+        zygote.stop()
+
+
 @pytest.fixture
-def fleet_factory() -> Iterator[Any]:
-    """Fleets started by a test are always stopped, whatever the test did."""
+def fleet_factory(shared_zygote: Zygote | None) -> Iterator[Any]:
+    """Fleets started by a test are always stopped, whatever the test did; they fork from the
+    session's zygote."""
     started: list[Fleet] = []
 
     def make(cfg: Any, **kw: Any) -> Fleet:
-        f = Fleet(cfg, **kw)
+        f = Fleet(cfg, zygote=shared_zygote, **kw)
         started.append(f)
         return f
 

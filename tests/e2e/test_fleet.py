@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -30,6 +31,13 @@ def test_fleet_matches_local_loop_on_policy(tmp_path: Path, tiny_model: Path, fl
     fleet_cfg = tiny_config(tmp_path / "fleet", tiny_model, run={"max_steps": steps})
     fleet = fleet_factory(fleet_cfg)
     fleet.start(ready_timeout_s=180)
+    # The services that import torch are forks of the zygote (services.prefork), the others the launcher's.
+    parent = {name: int(Path(f"/proc/{sp.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+              for name, sp in fleet.procs.items()}
+    zygote = fleet.launcher.zygote
+    forked = {"actor", "reference"} if zygote is not None else set()
+    assert {n for n, pid in parent.items() if zygote is not None and pid == zygote.pid} == forked, parent
+    assert {n for n, pid in parent.items() if pid == os.getpid()} == set(parent) - forked, parent
     assert fleet.supervise(timeout_s=240) == 0
     local, remote = _rows(tmp_path / "local"), _rows(tmp_path / "fleet")
     assert [r["step"] for r in remote] == list(range(1, steps + 1))

@@ -197,7 +197,7 @@ def test_a_preload_that_imports_grpc_is_refused_and_the_launcher_falls_back_to_p
 
 def test_a_launcher_whose_zygote_died_starts_services_with_popen(tmp_path: Path) -> None:
     launcher = Launcher(tmp_path, sys.executable)
-    launcher.start_zygote(_env())
+    launcher.start_zygote()
     assert launcher.zygote is not None and launcher.zygote.wait_ready(60)
     forked = launcher.spawn(CHILD, ["import sys; sys.exit(3)"], _env(), tmp_path / "a.log", fork=True)
     assert isinstance(forked, ZygoteChild) and forked.wait(timeout=30) == 3
@@ -206,6 +206,19 @@ def test_a_launcher_whose_zygote_died_starts_services_with_popen(tmp_path: Path)
     proc = launcher.spawn(CHILD, ["import sys; sys.exit(4)"], _env(), tmp_path / "b.log", fork=True)
     assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=30) == 4
     launcher.stop()
+
+
+def test_fleets_handed_a_zygote_fork_from_it_and_leave_it_running(zygote: Zygote, tmp_path: Path) -> None:
+    for run in ("run1", "run2"):
+        launcher = Launcher(tmp_path / run, sys.executable, zygote)
+        launcher.start_zygote()  # it has one: nothing started
+        assert launcher.zygote is zygote
+        child = launcher.spawn(CHILD, ["import sys; sys.exit(6)"], _env(), tmp_path / f"{run}.log", fork=True)
+        assert isinstance(child, ZygoteChild) and child.wait(timeout=30) == 6
+        launcher.kill()  # what a launcher's hard exit does: its own processes only
+        launcher.stop()
+        assert zygote.ready
+        assert lifeline.holders(tmp_path / run) == []  # not the run's to name or stop
 
 
 def test_the_default_preload_imports_no_grpc_and_starts_no_thread() -> None:
