@@ -79,6 +79,20 @@ def test_the_targets_are_missed_when_the_fleet_learns_less_per_step_or_starts_la
     assert spread([None, None]) == {"median": None, "min": None, "max": None, "n": 2, "missing": 2}
 
 
+def test_a_trl_median_that_never_got_there_bounds_the_time_ratio_from_above() -> None:
+    # TRL's median final 45%: one TRL seed reaches it at 188 s, the other never within its 240 s.
+    trl = [_run([(0, 48, 0.0), (50, 188, 0.53)], 48), _run([(0, 50, 0.0), (60, 240, 0.375)], 50)]
+    fast = [_run([(0, 50, 0.0), (100, 100, 0.6)], 50), _run([(0, 50, 0.0), (100, 110, 0.6)], 50)]
+    slow = [_run([(0, 50, 0.0), (100, 150, 0.6)], 50), _run([(0, 50, 0.0), (100, 160, 0.6)], 50)]
+    s = summarize_task({"trl": trl, "fleet": fast, "fleet-on-policy": slow})
+    t, c, d = s["configs"]["trl"], s["configs"]["fleet"], s["configs"]["fleet-on-policy"]
+    assert t["time_to_trl_median_final"]["median"] is None
+    assert t["time_to_trl_median_final_at_least"] == pytest.approx((188 + 240) / 2)
+    assert c["time_ratio"] is None and c["time_ratio_at_most"] == pytest.approx(105 / 214)
+    assert c["target_half_time_met"]  # TRL's median is more than 214 s, so the ratio less than 0.49
+    assert d["time_ratio_at_most"] == pytest.approx(155 / 214) and not d["target_half_time_met"]
+
+
 def test_a_first_step_with_no_trl_run_in_the_same_cache_state_is_not_measured_rather_than_missed() -> None:
     trl = [_run([(0, 120, 0.0), (5, 130, 0.2)], 120, cold=True)]
     fleet = [_run([(0, 50, 0.0), (5, 60, 0.3)], 50)]  # warm only, against a cold TRL
