@@ -70,6 +70,26 @@ def test_an_uncaught_exception_exits_1_with_its_traceback_in_the_childs_log(zygo
     assert "hello from the child" in log and "ValueError: boom" in log and "Traceback" in log
 
 
+def test_a_forked_child_runs_its_exit_handlers_and_ends_its_child_processes_as_an_interpreter_exit_would(
+        zygote: Zygote, tmp_path: Path) -> None:
+    # The fork leaves by os._exit (no teardown of the modules the zygote loaded), but what an exit
+    # must still do happens: atexit handlers, multiprocessing's end of its daemonic children, stdio.
+    flag, grandchild = tmp_path / "atexit-ran", tmp_path / "grandchild-pid"
+    code = (f"import atexit, multiprocessing, os, sys, time; "
+            f"atexit.register(lambda: open({str(flag)!r}, 'w').write('yes')); "
+            f"p = multiprocessing.get_context('fork').Process(target=time.sleep, args=(60,), daemon=True); p.start(); "
+            f"open({str(grandchild)!r}, 'w').write(str(p.pid)); "
+            f"sys.stdout.write('unflushed line'); sys.exit('a message for sys.exit')")
+    child = _spawn(zygote, tmp_path, code)
+    assert child.wait(timeout=30) == 1  # sys.exit with a message: printed, status 1
+    assert flag.read_text() == "yes"
+    assert _until(lambda: not pid_alive(int(grandchild.read_text())))
+    log = (tmp_path / "child.log").read_text()
+    assert "unflushed line" in log and "a message for sys.exit" in log
+    assert _spawn(zygote, tmp_path, "import sys; sys.exit(None)").wait(timeout=30) == 0
+    assert _spawn(zygote, tmp_path, "import sys; sys.exit(300)").wait(timeout=30) == 300 & 0xFF
+
+
 def test_a_child_killed_by_a_signal_reports_minus_the_signal_as_popen_does(zygote: Zygote, tmp_path: Path) -> None:
     child = _spawn(zygote, tmp_path, "import time; time.sleep(60)")
     assert child.poll() is None
