@@ -91,12 +91,13 @@ TASKS: dict[str, dict[str, Any]] = {
 # rlfleet's configuration (max_staleness 1), the same at full fp32 (algo.tf32 false), on-policy, and with
 # algo.proximal "sampled"; TRL as its users run it, and TRL with TF32 matmuls as rlfleet's trainer has them
 # (the two controls say what the matmul precision alone is worth to each framework).
-CONFIGS = ("fleet", "fleet-fp32", "fleet-on-policy", "fleet-sampled", "trl", "trl-tf32")
+CONFIGS = ("fleet", "fleet-fp32", "fleet-on-policy", "fleet-sampled", "fleet-mb256", "trl", "trl-tf32")
 FLEET_CONFIGS = tuple(c for c in CONFIGS if c.startswith("fleet"))
 FLEET_VLLM: dict[str, Any] = {"kv_cache_gib": 4, "cudagraph_max_batch": 256}
 if DRY:
     W.update(prompts_per_step=4, group=2, max_new_tokens=4, micro_batch=4, eval_size=8, eval_every=2,
              budget_s=25.0)
+DEFAULT_MICRO_BATCH = W["micro_batch"]
 
 
 say = partial(common.say, tag="learn", err=True)
@@ -534,8 +535,12 @@ def _device_name() -> str:
 
 def settings_of(config: str) -> dict[str, Any]:
     """The workload settings (`W`) a configuration changes; every other setting is the same for all."""
+    # fleet-mb256: the step's 256 rows in one forward and backward rather than four of 64 (the same
+    # gradient; fewer, larger kernels for a trainer that paces the step at 0.4-0.7 s)
+    whole = W["prompts_per_step"] * W["group"]
     return {"max_staleness": 0 if config == "fleet-on-policy" else 1,
             "proximal": "sampled" if config == "fleet-sampled" else "current",
+            "micro_batch": whole if config == "fleet-mb256" else DEFAULT_MICRO_BATCH,
             "tf32": False if config == "fleet-fp32" else True if config == "trl-tf32" else None}
 
 
