@@ -161,6 +161,13 @@ def supervise(store: Any, a: argparse.Namespace, layout: dict[str, Any], stop: t
             if took > BEAT_EVERY_S:  # rank 0 counts the node dead after node_timeout_s without one
                 log.warning("heartbeat slow", extra={"node": a.node_rank, "seconds": round(took, 2)})
         except Exception as err:  # noqa: BLE001 - rank 0's store answered nothing: rank 0 is gone
+            # Gone after a STOP, or died? Rank 0 stops the group by a STOP to every rank, then exits, and
+            # its store with it: a beat can fail before this host's ranks, told to stop, have exited.
+            # Their exit codes tell the two apart (a rank whose rank 0 died never exits 0).
+            _wait_all(procs, GRACE_S)
+            if all(p.returncode == 0 for p in procs):
+                log.info("rank 0 stopped the group", extra={"node": a.node_rank})
+                return 0
             log.error("rank 0 went away; the node stops", extra={"node": a.node_rank, "error": str(err)[:200]})
             return end(3, "")
         stop.wait(BEAT_EVERY_S)
