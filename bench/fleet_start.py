@@ -1,6 +1,7 @@
 """A whole fleet's start on this host, with and without the zygote (`services.prefork`): seconds from
 `Fleet.start` to each service's first 200 on /readyz, then from SIGKILL of each forked service to its
-replacement's (as the supervisor restarts it).
+replacement's (as the supervisor restarts it), then `Fleet.stop` (SIGTERM, every service's drain and
+exit, Redis).
 
     python -m bench.fleet_start [--config FILE] [--repeat 3] [--modes zygote,popen] [--json OUT]
 
@@ -59,6 +60,7 @@ def one_start(data: dict[str, Any], run_dir: Path, mode: str) -> dict[str, Any]:
         except BaseException as err:  # reported below, from the main thread
             failed.append(err)
 
+    stop_s: float | None = None
     t0 = time.monotonic()
     th = threading.Thread(target=start, daemon=True)
     th.start()
@@ -83,9 +85,13 @@ def one_start(data: dict[str, Any], run_dir: Path, mode: str) -> dict[str, Any]:
                     raise RuntimeError(f"{name} not ready again within {READY_TIMEOUT_S:.0f}s")
                 time.sleep(0.02)
             restart[name] = round(time.monotonic() - t1, 2)
-    finally:
+        t2 = time.monotonic()
         fleet.stop(grace_s=10)
-    return {"mode": mode, "ready": ready, "all_ready": max(ready.values()), "restart": restart,
+        stop_s = round(time.monotonic() - t2, 2)
+    finally:
+        if stop_s is None:
+            fleet.stop(grace_s=10)
+    return {"mode": mode, "ready": ready, "all_ready": max(ready.values()), "restart": restart, "stop_s": stop_s,
             "load1": round(os.getloadavg()[0], 2)}
 
 
@@ -122,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         again = {n: statistics.median(r["restart"][n] for r in mine) for n in mine[0]["restart"]}
         print(f"  {mode:<7} all ready {statistics.median(r['all_ready'] for r in mine):6.2f} s  ("
               + ", ".join(f"{n} {s:.2f}" for n, s in sorted(med.items(), key=lambda kv: kv[1])) + ")"
-              + ("  restart after kill -9: " + ", ".join(f"{n} {s:.2f} s" for n, s in again.items()) if again else ""))
+              + ("  restart after kill -9: " + ", ".join(f"{n} {s:.2f} s" for n, s in again.items()) if again else "")
+              + f"  stop {statistics.median(r['stop_s'] for r in mine):.2f} s"
+              f" ({min(r['stop_s'] for r in mine):.2f}-{max(r['stop_s'] for r in mine):.2f})")
     if args.json is not None:
         args.json.write_text(json.dumps({"cores": os.cpu_count(), "starts": rows}, indent=2))
     return 0
