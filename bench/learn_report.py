@@ -140,10 +140,10 @@ def summarize_task(by_config: dict[str, list[dict[str, Any]]]) -> dict[str, Any]
         c["per_step_checkpoints_met"] = f"{sum(ok)}/{len(ok)}"
         t_trl, t_me = trl["time_to_trl_median_final"]["median"], c["time_to_trl_median_final"]["median"]
         c["time_ratio"] = None if t_trl is None or t_me is None else t_me / t_trl
-        # TRL's median a seed that never got there: its time is at least the bound, so the ratio at most.
-        bound = trl["time_to_trl_median_final_at_least"]
-        c["time_ratio_at_most"] = (c["time_ratio"] if c["time_ratio"] is not None
-                                   else None if t_me is None or t_trl is not None else t_me / bound)
+        c["time_ratio_at_most"] = c["time_ratio"]
+        if t_me is not None and t_trl is None:
+            # TRL's median a seed that never got there: its time is at least the bound, so the ratio at most.
+            c["time_ratio_at_most"] = t_me / trl["time_to_trl_median_final_at_least"]
         c["target_half_time_met"] = (c["time_ratio_at_most"] is not None
                                      and c["time_ratio_at_most"] <= TIME_TARGET_RATIO)
         firsts = [(c[f"first_step_s_{k}"]["median"], trl[f"first_step_s_{k}"]["median"]) for k in ("cold", "warm")]
