@@ -75,7 +75,7 @@ W: dict[str, Any] = {
     "prompts_per_step": 32, "group": 8, "max_new_tokens": 24, "temperature": 1.0, "lr": 1e-5,
     "clip_eps": 0.2, "micro_batch": 64, "eval_size": 200, "eval_every": 5, "seed": 0,
     "vllm_gpu_memory_utilization": 0.3, "max_model_len": 512, "budget_s": 360.0, "max_staleness": 1,
-    "task": "basic_arithmetic", "proximal": "current", "tf32": None,
+    "task": "basic_arithmetic", "proximal": "current", "tf32": None, "config": "fleet",
 }
 # Reasoning-gym generators and their parameters: the example's basic_arithmetic (the whole completion is
 # the answer: the untrained model, which answers in sentences, scores 0%), and chain_sum of 2-3 terms of
@@ -304,8 +304,7 @@ def phase_fleet(out: Path, budget_s: float) -> dict[str, Any]:
     cfg = run_config(model, run_dir)
     cfg_path = WORK / "fleet.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    config = ("fleet-on-policy" if not W["max_staleness"] else "fleet-sampled" if W["proximal"] == "sampled"
-              else "fleet-fp32" if W["tf32"] is False else "fleet")
+    config = W["config"]
     log_path = out / f"{run_name(config, W['seed'])}.log"
     cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(cfg_path), "--ready-timeout", "600"]
     say("$", " ".join(cmd))
@@ -570,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=590.0,
                     help="run: start no run that would end later than this many seconds from now")
     args = ap.parse_args(argv)
-    W.update(task=args.task, seed=args.seed, **settings_of(args.phase))
+    W.update(task=args.task, seed=args.seed, config=args.phase, **settings_of(args.phase))
     if args.budget_s <= 0 or not math.isfinite(args.budget_s):
         ap.error("--budget-s must be a positive number of seconds")
     try:
