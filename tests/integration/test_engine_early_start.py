@@ -122,7 +122,8 @@ def test_the_early_child_gets_every_engine_option_make_engine_would_pass_it() ->
 
 
 # The actor up to where it has its engine: the child spawned early, then (with "ready") adopted by
-# make_engine and waiting for a request. It prints the child's pid, then whether it is ready.
+# make_engine and waiting for a request; with "forked", no early child: make_engine's own, which a CPU
+# transformers engine forks from a forkserver. It prints the child's pid, then whether it is ready.
 ACTOR = """
 import json, sys, time
 from pathlib import Path
@@ -131,6 +132,13 @@ from services.core.observability.logs import setup_logging
 from services.models.engines import boot as engine_boot
 setup_logging("actor")
 cfg = load_config(sys.argv[1])
+if sys.argv[2] == "forked":
+    from services.models.engines.factory import make_engine
+    eng = make_engine(cfg.generation.engine, Path(cfg.models.policy.path),
+                      dtype=cfg.generation.engine_dtype(cfg.models.policy.dtype),
+                      **cfg.generation.engine_kwargs(cfg.run_dir))
+    print(json.dumps({"engine_pid": eng.describe()["process"]}), flush=True)
+    time.sleep(600)
 engine_boot.start_early(cfg)
 print(json.dumps({"engine_pid": engine_boot._started.proc.pid}), flush=True)
 if sys.argv[2] == "ready":
@@ -159,11 +167,16 @@ def _reader_opened(fifo: Path) -> int | None:
         return None
 
 
-@pytest.mark.parametrize("when", ["starting", "ready"])
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+@pytest.mark.parametrize("when", ["starting", "ready", "forked"])
 def test_an_engine_process_exits_when_its_actor_is_killed(tmp_path: Path, random_model: Path, when: str) -> None:
     """kill -9 (or the OOM killer) of the actor leaves no engine process behind to hold its share of
     the GPU next to the restarted actor's engine: neither one still loading its model (it reads no
-    pipe for tens of seconds with vLLM) nor one waiting for a request."""
+    pipe for tens of seconds with vLLM) nor one waiting for a request, nor one forked by a forkserver
+    (whose OS parent is that server, not the actor)."""
     model = tmp_path / "model"
     shutil.copytree(random_model, model)
     fifo = model / "tokenizer_config.json"
@@ -186,14 +199,18 @@ def test_an_engine_process_exits_when_its_actor_is_killed(tmp_path: Path, random
             while (held := _reader_opened(fifo)) is None:
                 assert pid_alive(pid) and time.monotonic() < deadline, "the engine never began to load the model"
                 time.sleep(0.1)
-        else:
+        elif when == "ready":
             assert json.loads(lines.get(timeout=150))["ready"] == pid
+        else:
+            server = _ppid(pid)
+            assert server != actor.pid and _ppid(server) == actor.pid  # forked by the actor's forkserver
         actor.kill()
         actor.wait(10)
         t0 = time.monotonic()
-        while pid_alive(pid) and time.monotonic() - t0 < 10:
+        while (pid_alive(pid) or (when == "forked" and pid_alive(server))) and time.monotonic() - t0 < 10:
             time.sleep(0.1)
         assert not pid_alive(pid), "the engine process outlived its actor by 10 s"
+        assert when != "forked" or not pid_alive(server), "the forkserver outlived its actor by 10 s"
         rows = [json.loads(line) for line in (tmp_path / "actor.log").read_text().splitlines()
                 if line.startswith("{")]
         last = [r for r in rows if r["service"] == "actor.engine"][-1]

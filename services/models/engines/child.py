@@ -35,14 +35,21 @@ log = logging.getLogger(__name__)
 EXIT_ORPHANED = 3  # as a dist follower whose rank 0 is gone
 POLL_S = 0.5
 
-_parent: int | None = None
+_parent: int | None = None  # the process that started this one
+_os_parent: int | None = None  # its OS parent while that lives: the spawner, or the forkserver it asked
+_spawner: Any = None  # multiprocessing's handle on the spawner (its sentinel), where it has one
 _exiting = threading.Lock()  # the watch and the pipe's reader may both see the parent go: one line, one exit
 
 
 def main(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str, Any], threads: int,
-         visible_devices: str | None = None, link: Link | None = None, log_to: tuple[str, int] | None = None) -> None:
+         visible_devices: str | None = None, link: Link | None = None, log_to: tuple[str, int] | None = None,
+         env: dict[str, str] | None = None) -> None:
     """The engine process: `engines.serve.serve` with `log_to` (service name, level) as its logging, under
-    a watch of its parent."""
+    a watch of its parent. `env`: the parent's environment, for a child forked from a forkserver (which
+    holds the environment of the moment it started, not the parent's of now)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     if log_to is not None:
         # A spawned child starts with logging unconfigured: without this its records (start-up time,
         # weight loads, the reason it gives up, the watch's last word) would not reach the service's log.
@@ -58,11 +65,14 @@ def main(conn: Connection, ctrl: Connection, name: str, path: str, kw: dict[str,
 
 def watch_parent(poll_s: float = POLL_S) -> None:
     """Exit this process (`exit_orphaned`) within `poll_s` of its parent's death."""
-    global _parent
-    spawner = multiprocessing.parent_process()
+    global _parent, _os_parent, _spawner
+    _spawner = multiprocessing.parent_process()
     # The spawner's pid, not getppid() now: a parent that died before this line has already handed
-    # this process to another, and its death would go unseen.
-    _parent = spawner.pid if spawner is not None and spawner.pid is not None else os.getppid()
+    # this process to another, and its death would go unseen. Its sentinel (a pipe the spawner holds
+    # open) says so too, and is the one sign for a child forked by a forkserver, whose OS parent is the
+    # server (which exits with the spawner, so a change of the OS parent means the same).
+    _parent = _spawner.pid if _spawner is not None and _spawner.pid is not None else os.getppid()
+    _os_parent = os.getppid() if os.getppid() != _parent and _spawner is not None else _parent
 
     def watch() -> None:
         while not parent_gone():
@@ -76,7 +86,7 @@ def parent_gone(wait_s: float = 0.0) -> bool:
     """Whether the watched parent has died, waiting up to `wait_s` for it to: its pipes close before
     the kernel hands its children to another process."""
     deadline = time.monotonic() + wait_s
-    while _parent is not None and os.getppid() == _parent:
+    while _parent is not None and os.getppid() == _os_parent and (_spawner is None or _spawner.is_alive()):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)

@@ -7,7 +7,8 @@ ran at a fraction of its speed while generation was in flight (BENCHMARKS.md, "R
 run"). A child process has its own interpreter, so generation and the update overlap for real.
 
 How:
-- The child is started with the `spawn` method (CUDA cannot be forked) and builds the real engine
+- The child is started with the `spawn` method (CUDA cannot be forked; a CPU transformers engine forks
+  from a preloaded forkserver, `start_context`) and builds the real engine
   with `backends.build_engine`; the parent waits for its `ready` message, or raises with the child's exit code.
   The child begins in `engines.child.main`, which watches the parent before anything heavy is imported
   (a child whose actor died, kill -9 or the OOM killer, exits at once, even while it is still
@@ -31,6 +32,7 @@ network boundary here.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -61,6 +63,24 @@ log = logging.getLogger(__name__)
 # Exceptions re-raised in the parent as the same class; anything else becomes an EngineError.
 _ERRORS: dict[str, type[Exception]] = {c.__name__: c for c in (
     EngineError, EngineUnavailable, WeightSyncError, ValueError, TypeError)}
+
+
+# The CPU transformers engine's children fork from a server that imported torch, transformers and the
+# engine once (multiprocessing's forkserver, started at this process's first such engine): the second
+# and later engines of a process (the test suite's dozens, an actor's replicas and restarts) start in
+# a fraction of a second instead of re-importing for 5-15 s on a 2-core host. CUDA cannot be forked from
+# a process that may have touched it, and vLLM starts its own processes: those keep `spawn`.
+FORKSERVER_PRELOAD = ["services.models.engines.serve", "services.models.engines.hf_engine"]
+FORKSERVER_ENV = "RLFLEET_ENGINE_FORKSERVER"  # "0": spawn every engine child
+
+
+def start_context(name: str, device: str) -> Any:
+    """The multiprocessing context an engine child of backend `name` on `device` starts in."""
+    if name == "transformers" and device == "cpu" and os.environ.get(FORKSERVER_ENV, "1") != "0":
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
 
 
 class EngineDied(EngineError):
@@ -96,7 +116,7 @@ class ProcessEngine:
         if started is not None:
             self._conn, self._ctrl, self._proc, t0 = started.conn, started.ctrl, started.proc, started.t0
         else:
-            ctx = mp.get_context("spawn")
+            ctx = start_context(name, str(kw.get("device", "cpu")))
             self._conn, child_conn = ctx.Pipe()
             self._ctrl, child_ctrl = ctx.Pipe()
             self._proc = ctx.Process(target=engine_child.main, name=f"engine-{name}{label}", daemon=True,
@@ -104,7 +124,8 @@ class ProcessEngine:
                                            threads or torch.get_num_threads(), visible_devices,
                                            self._sender.link if self._sender else None,
                                            (f"{svc}.engine{label}", logging.getLogger().getEffectiveLevel())
-                                           if (svc := current_service()) else None))
+                                           if (svc := current_service()) else None,
+                                           dict(os.environ) if ctx.get_start_method() == "forkserver" else None))
             t0 = time.monotonic()
             self._proc.start()
             child_conn.close()
