@@ -25,10 +25,12 @@ RUN_FILE = re.compile(r"^(?P<task>[a-z_]+)-(?P<config>[a-z0-9-]+)-s(?P<seed>\d+)
 LABELS = {"fleet": "rlfleet (max_staleness 1, TF32 matmuls)", "fleet-fp32": "rlfleet at full fp32 (max_staleness 1)",
           "fleet-on-policy": "rlfleet on-policy (max_staleness 0)",
           "fleet-sampled": "rlfleet, proximal sampled (max_staleness 1)",
-          "fleet-mb256": "rlfleet, one micro-batch of 256 rows (max_staleness 1)", "trl": "TRL 1.16 + vLLM colocated",
+          "fleet-mb256": "rlfleet, one micro-batch of 256 rows (max_staleness 1)",
+          "fleet-mb256-compiled": "rlfleet, one micro-batch of 256 rows, compiled (max_staleness 1)",
+          "trl": "TRL 1.16 + vLLM colocated",
           "trl-tf32": "TRL 1.16 + vLLM colocated, TF32 matmuls"}
 COLORS = {"fleet": "tab:blue", "fleet-fp32": "tab:cyan", "fleet-on-policy": "tab:green", "fleet-sampled": "tab:purple",
-          "fleet-mb256": "tab:brown",
+          "fleet-mb256": "tab:brown", "fleet-mb256-compiled": "tab:olive",
           "trl": "tab:orange", "trl-tf32": "tab:red"}
 # The configurations every task needs three seeds of; the controls (fleet-fp32, trl-tf32) and the
 # levers (fleet-sampled, fleet-mb256) are run where a question needs them.
