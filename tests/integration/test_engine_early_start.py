@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from services.core.host.ports import pid_alive
+from services.models.engines.proc import FORKSERVER_ENV
 from tests.fleet_helpers import EXAMPLE
 
 pytestmark = pytest.mark.timeout(240)
@@ -122,8 +123,8 @@ def test_the_early_child_gets_every_engine_option_make_engine_would_pass_it() ->
 
 
 # The actor up to where it has its engine: the child spawned early, then (with "ready") adopted by
-# make_engine and waiting for a request; with "forked", no early child: make_engine's own, which a CPU
-# transformers engine forks from a forkserver. It prints the child's pid, then whether it is ready.
+# make_engine and waiting for a request; with "forked", no early child: make_engine's own, forked from
+# a forkserver (RLFLEET_ENGINE_FORKSERVER=1). It prints the child's pid, then whether it is ready.
 ACTOR = """
 import json, sys, time
 from pathlib import Path
@@ -188,7 +189,8 @@ def test_an_engine_process_exits_when_its_actor_is_killed(tmp_path: Path, random
     log = (tmp_path / "actor.log").open("w")
     actor = subprocess.Popen([sys.executable, "-c", ACTOR, str(_config(tmp_path, model, process=True)), when],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
-                             env={"RLFLEET_TORCH_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                             env={"RLFLEET_TORCH_THREADS": "1", "PATH": "/usr/bin:/bin",
+                                  **({FORKSERVER_ENV: "1"} if when == "forked" else {})})
     assert actor.stdout is not None
     lines = _lines(actor.stdout)
     pid, held = 0, None

@@ -29,6 +29,7 @@ from services.models.engine import (
     completions_to_rollout,
 )
 from services.models.engines.factory import available_engines, make_engine
+from services.models.engines.proc import FORKSERVER_ENV
 from services.models.io.loading import load_causal_lm, load_tokenizer
 from services.models.nets.logprobs import response_logprobs
 from services.models.roles.tiny import build_tiny_model
@@ -44,6 +45,15 @@ SPEC = TinyModelSpec(warmup_steps=0)
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_engines_fork_from_one_server() -> Iterator[None]:
+    """This module's ~25 process engines fork from one preloaded forkserver (`engines.proc.start_context`)
+    instead of each importing torch and transformers afresh: 342 s -> 120 s for them on 2 cores."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FORKSERVER_ENV, "1")
+        yield
 
 
 @pytest.fixture(scope="module")

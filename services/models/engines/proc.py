@@ -7,7 +7,7 @@ ran at a fraction of its speed while generation was in flight (BENCHMARKS.md, "R
 run"). A child process has its own interpreter, so generation and the update overlap for real.
 
 How:
-- The child is started with the `spawn` method (CUDA cannot be forked; a CPU transformers engine forks
+- The child is started with the `spawn` method (CUDA cannot be forked; a CPU transformers engine may fork
   from a preloaded forkserver, `start_context`) and builds the real engine
   with `backends.build_engine`; the parent waits for its `ready` message, or raises with the child's exit code.
   The child begins in `engines.child.main`, which watches the parent before anything heavy is imported
@@ -65,18 +65,19 @@ _ERRORS: dict[str, type[Exception]] = {c.__name__: c for c in (
     EngineError, EngineUnavailable, WeightSyncError, ValueError, TypeError)}
 
 
-# The CPU transformers engine's children fork from a server that imported torch, transformers and the
-# engine once (multiprocessing's forkserver, started at this process's first such engine): the second
-# and later engines of a process (the test suite's dozens, an actor's replicas and restarts) start in
-# a fraction of a second instead of re-importing for 5-15 s on a 2-core host. CUDA cannot be forked from
-# a process that may have touched it, and vLLM starts its own processes: those keep `spawn`.
+# With RLFLEET_ENGINE_FORKSERVER=1, a CPU transformers engine's children fork from a server that
+# imported torch, transformers and the engine once (multiprocessing's forkserver, started at this
+# process's first such engine): the second and later engines of one process start in a fraction of a
+# second instead of re-importing for 5-15 s on a 2-core host. For a process that makes many engines
+# (the test suite's engine contract); an actor makes one, so it keeps `spawn`, whose child is its own
+# (its process group, its stdio of now, a child of the actor), as CUDA and vLLM need anyway.
 FORKSERVER_PRELOAD = ["services.models.engines.serve", "services.models.engines.hf_engine"]
-FORKSERVER_ENV = "RLFLEET_ENGINE_FORKSERVER"  # "0": spawn every engine child
+FORKSERVER_ENV = "RLFLEET_ENGINE_FORKSERVER"
 
 
 def start_context(name: str, device: str) -> Any:
     """The multiprocessing context an engine child of backend `name` on `device` starts in."""
-    if name == "transformers" and device == "cpu" and os.environ.get(FORKSERVER_ENV, "1") != "0":
+    if name == "transformers" and device == "cpu" and os.environ.get(FORKSERVER_ENV) == "1":
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         return ctx
