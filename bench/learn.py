@@ -10,7 +10,8 @@ A run is `CONFIG:SEED`: `fleet` (rlfleet's configuration: max_staleness 1), `fle
 algo.tf32 false: every fp32 matmul at full precision), `fleet-on-policy` (max_staleness 0),
 `fleet-sampled` (max_staleness 1 clipped against the weights that sampled each batch: algo.proximal
 "sampled"), `fleet-mb256` (one micro-batch of the step's 256 rows), `fleet-mb256-compiled` (the same with
-algo.compile), `trl`, or `trl-tf32` (TRL with its `tf32` argument on, as rlfleet's trainer); each writes
+algo.compile), `fleet-mb256-bf16` (the same with algo.autocast bfloat16), `trl`, or `trl-tf32` (TRL with
+its `tf32` argument on, as rlfleet's trainer); each writes
 DIR/<task>-<config>-s<seed>.json as soon as it ends, so a device call cut short keeps the runs it
 finished. Tasks (`TASKS`): basic_arithmetic (the untrained model: 0%) and chain_sum (2-3 terms, the last
 number written is the answer: 13%). The seed is the run's sampling seed (rlfleet's run.seed, the seed of
@@ -77,6 +78,7 @@ W: dict[str, Any] = {
     "clip_eps": 0.2, "micro_batch": 64, "eval_size": 200, "eval_every": 5, "seed": 0,
     "vllm_gpu_memory_utilization": 0.3, "max_model_len": 512, "budget_s": 360.0, "max_staleness": 1,
     "task": "basic_arithmetic", "proximal": "current", "tf32": None, "config": "fleet", "compile": False,
+    "autocast": None,
 }
 # Reasoning-gym generators and their parameters: the example's basic_arithmetic (the whole completion is
 # the answer: the untrained model, which answers in sentences, scores 0%), and chain_sum of 2-3 terms of
@@ -92,8 +94,8 @@ TASKS: dict[str, dict[str, Any]] = {
 # rlfleet's configuration (max_staleness 1), the same at full fp32 (algo.tf32 false), on-policy, and with
 # algo.proximal "sampled"; TRL as its users run it, and TRL with TF32 matmuls as rlfleet's trainer has them
 # (the two controls say what the matmul precision alone is worth to each framework).
-CONFIGS = ("fleet", "fleet-fp32", "fleet-on-policy", "fleet-sampled", "fleet-mb256", "fleet-mb256-compiled", "trl",
-           "trl-tf32")
+CONFIGS = ("fleet", "fleet-fp32", "fleet-on-policy", "fleet-sampled", "fleet-mb256", "fleet-mb256-compiled",
+           "fleet-mb256-bf16", "trl", "trl-tf32")
 FLEET_CONFIGS = tuple(c for c in CONFIGS if c.startswith("fleet"))
 FLEET_VLLM: dict[str, Any] = {"kv_cache_gib": 4, "cudagraph_max_batch": 256}
 if DRY:
@@ -178,7 +180,8 @@ def run_config(model: Path, run_dir: Path) -> dict[str, Any]:
     n = W["prompts_per_step"] * W["group"]
     cfg["algo"] = {"name": "grpo", "group_size": W["group"], "kl_coef": 0.0, "clip_eps": W["clip_eps"],
                    "ppo_epochs": 1, "minibatch_size": n, "micro_batch_size": W["micro_batch"], "lr": W["lr"],
-                   "max_grad_norm": 1.0, "compile": W["compile"], "proximal": W["proximal"], "tf32": W["tf32"]}
+                   "max_grad_norm": 1.0, "compile": W["compile"], "proximal": W["proximal"], "tf32": W["tf32"],
+                   "autocast": W["autocast"]}
     cfg["generation"] = {"engine": "transformers" if DRY else "vllm", "device": device,
                          "dtype": "float32" if DRY else "bfloat16", "process": not DRY,
                          "max_new_tokens": W["max_new_tokens"], "temperature": W["temperature"],
@@ -538,13 +541,14 @@ def settings_of(config: str) -> dict[str, Any]:
     """The workload settings (`W`) a configuration changes; every other setting is the same for all."""
     # fleet-mb256: the step's 256 rows in one forward and backward rather than four of 64 (the same
     # gradient; fewer, larger kernels for a trainer that paces the step at 0.4-0.7 s)
-    # fleet-mb256-compiled: the same with algo.compile (the actor compiles its trainer while vLLM starts)
+    # fleet-mb256-compiled: the same with algo.compile (the actor compiles its trainer while vLLM starts);
+    # fleet-mb256-bf16: the same in bf16 mixed precision (algo.autocast)
     whole = W["prompts_per_step"] * W["group"]
     return {"max_staleness": 0 if config == "fleet-on-policy" else 1,
             "proximal": "sampled" if config == "fleet-sampled" else "current",
             "micro_batch": whole if config.startswith("fleet-mb256") else DEFAULT_MICRO_BATCH,
             "tf32": False if config == "fleet-fp32" else True if config == "trl-tf32" else None,
-            "compile": config.endswith("-compiled")}
+            "compile": config.endswith("-compiled"), "autocast": "bfloat16" if config.endswith("-bf16") else None}
 
 
 def parse_runs(text: str) -> list[tuple[str, int]]:

@@ -9,7 +9,8 @@ prompts (32 x 8 completions of at most 24 tokens) a few times, alone, then again
 trains, as the fleet's steps overlap at `max_staleness: 1`; the weight sync into it is timed on its own.
 Its completions, with their engine log-probs and one version behind, are the batch the trainer
 (`PolicyTrainer`, built by `services.dist.build` as the actor builds it) then trains on in each variant
-(`VARIANTS`: micro-batch 64 as the benchmark runs it, 128 and 256; TF32 off; torch.compile), each on a
+(`VARIANTS`: micro-batch 64 as the benchmark runs it, 128 and 256; TF32 off; bf16 autocast;
+torch.compile), each on a
 fresh copy of the model, timed over `--steps` steps after two warm ones, with a torch.profiler summary
 of one step: the GPU's busy time against the step's wall time says whether the step waits on the GPU
 or on the Python that launches its kernels. Results are written after every phase.
@@ -38,6 +39,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mb256": {"micro_batch_size": 256},
     "mb64-fp32": {"tf32": False},
     "mb256-fp32": {"micro_batch_size": 256, "tf32": False},
+    "mb64-bf16": {"autocast": "bfloat16"},
+    "mb256-bf16": {"micro_batch_size": 256, "autocast": "bfloat16"},
     "mb64-compiled": {"compile": True},
     "mb256-compiled": {"compile": True, "micro_batch_size": 256},
 }

@@ -16,6 +16,7 @@ from services.models.nets.critic import ValueModel
 from services.models.nets.logprobs import (
     COMPILE_BACKEND,
     CompileCount,
+    autocast,
     compile_decoder,
     response_logprobs,
     use_tf32,
@@ -151,15 +152,17 @@ class PolicyTrainer:
 
     def _logprobs(self, r: Rollout, with_entropy: bool,
                   bins: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if bins is not None:
-            return packed_logprobs(self.model, r, bins, temperature=self.temperature, with_entropy=with_entropy,
-                                   entropy_grad=self.algo.entropy_coef > 0, compile_backend=self.compile_backend)
-        out = response_logprobs(
-            self.model, r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask,
-            temperature=self.temperature, with_entropy=with_entropy,
-            entropy_grad=self.algo.entropy_coef > 0, chunk_tokens=self.algo.logprob_chunk_tokens,
-            compile_backend=self.compile_backend,
-        )
+        with autocast(self.algo.autocast, self.device):
+            if bins is not None:
+                return packed_logprobs(self.model, r, bins, temperature=self.temperature, with_entropy=with_entropy,
+                                       entropy_grad=self.algo.entropy_coef > 0,
+                                       compile_backend=self.compile_backend)
+            out = response_logprobs(
+                self.model, r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask,
+                temperature=self.temperature, with_entropy=with_entropy,
+                entropy_grad=self.algo.entropy_coef > 0, chunk_tokens=self.algo.logprob_chunk_tokens,
+                compile_backend=self.compile_backend,
+            )
         if isinstance(out, tuple):
             return out[0], out[1]
         return out, None
@@ -349,9 +352,10 @@ class ValueTrainer:
         self.opt = adamw(model, algo.critic_lr, algo.fused_optimizer)
 
     def values(self, r: Rollout, bins: list[list[int]] | None = None) -> torch.Tensor:
-        if bins is not None:
-            return packed_values(self.model, r, bins)
-        return self.model.values(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+        with autocast(self.algo.autocast, self.device):
+            if bins is not None:
+                return packed_values(self.model, r, bins).float()
+            return self.model.values(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask).float()
 
     @torch.no_grad()
     def score(self, r: Rollout) -> torch.Tensor:

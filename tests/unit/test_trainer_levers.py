@@ -359,3 +359,41 @@ def test_tf32_is_on_for_a_cuda_trainer_unless_the_config_says_false_and_never_to
     assert AlgoSection().tf32 is None
     with pytest.raises(ValueError, match="tf32"):
         AlgoSection.model_validate({"tf32": "sometimes"})
+
+
+def _grad_step(**levers: object) -> tuple[list[torch.Tensor], dict[str, float], PolicyTrainer]:
+    """One train_step with SGD at lr 1: the update is the (clipped) gradient itself."""
+    algo = AlgoSection(name="grpo", minibatch_size=6, micro_batch_size=4, entropy_coef=0.01, **levers)  # type: ignore[arg-type]
+    t = PolicyTrainer(copy.deepcopy(_model()), algo, temperature=0.9)
+    params = [p for p in t.model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    t.opt = torch.optim.SGD(params, lr=1.0)
+    stats = t.train_step(_rollout(), step=0, current_version=1)
+    return [b - p.detach() for b, p in zip(before, params, strict=True)], stats, t
+
+
+def test_a_bf16_autocast_step_follows_the_fp32_step_and_keeps_fp32_weights() -> None:
+    full, full_stats, _ = _grad_step()
+    mixed, stats, t = _grad_step(autocast="bfloat16")
+    flat_full, flat_mixed = torch.cat([d.flatten() for d in full]), torch.cat([d.flatten() for d in mixed])
+    cos = float(torch.nn.functional.cosine_similarity(flat_full, flat_mixed, dim=0))
+    assert cos > 0.99, cos  # the same direction, to bf16's rounding of the matmuls
+    assert not torch.equal(flat_full, flat_mixed)  # and the matmuls did run in bf16
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())  # weights and their updates stay fp32
+    assert stats["policy_loss"] == pytest.approx(full_stats["policy_loss"], rel=0.05, abs=1e-3)
+    with pytest.raises(ValueError, match="autocast"):
+        AlgoSection.model_validate({"autocast": "float16"})  # fp16 would need loss scaling: not offered
+
+
+def test_a_bf16_autocast_critic_gives_fp32_values_near_the_fp32_ones() -> None:
+    from services.models.nets.critic import ValueModel
+    from services.rl.trainer import ValueTrainer
+
+    r = _rollout()
+    torch.manual_seed(0)
+    model = ValueModel(_model().model).eval()
+    torch.nn.init.normal_(model.value_head.weight)  # a trained head: values that differ by state
+    full = ValueTrainer(copy.deepcopy(model), AlgoSection()).score(r)
+    mixed = ValueTrainer(copy.deepcopy(model), AlgoSection(autocast="bfloat16")).score(r)
+    assert mixed.dtype == torch.float32 and not torch.equal(mixed, full)
+    torch.testing.assert_close(mixed, full, atol=0.05, rtol=0.05)

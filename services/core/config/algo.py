@@ -147,6 +147,13 @@ class AlgoSection(_Strict):
     engine samples in its own dtype anyway. Unset: on for a CUDA device (PyTorch's advice for Ampere
     and newer; an fp32 trainer of a small model is bound by its matmuls), off on the CPU, where it
     does nothing. false keeps every fp32 matmul at full precision."""
+    autocast: Literal["bfloat16"] | None = None
+    """Mixed precision for the policy trainer's and the critic's forward and backward passes:
+    `bfloat16` runs their matmuls under `torch.autocast` in bf16 (twice TF32's tensor-core rate, half
+    the activations' memory traffic) while the weights, gradients and AdamW state stay in the model's
+    dtype and the log-softmax, losses and reductions in fp32; as the mixed precision of verl's and
+    OpenRLHF's trainers, and bf16 as vLLM samples. null: every pass in the model's dtype. bf16 needs no
+    loss scaling (its exponent range is fp32's), so float16 is not offered."""
 
     @model_validator(mode="before")
     @classmethod

@@ -7,6 +7,7 @@ for the left padding), which makes a row's result independent of how much paddin
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -293,6 +294,14 @@ def use_tf32(flag: bool | None, device: torch.device | str) -> bool:
     on = wants_tf32(flag, device)
     torch.set_float32_matmul_precision("high" if on else "highest")
     return on
+
+
+def autocast(dtype: str | None, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
+    """`algo.autocast`'s context for a forward pass on `device`: torch.autocast in `dtype` (its matmuls in
+    that dtype, softmaxes and reductions in fp32; the backward follows the forward's casts), or nothing."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=getattr(torch, dtype))
 
 
 def warm_up_compiled(role: str, warm_up: Callable[[], bool]) -> None:
