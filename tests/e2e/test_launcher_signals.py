@@ -21,10 +21,18 @@ from tests.fleet_helpers import processes_of
 ORPHANS_GONE_S = 15.0  # after SIGKILL of the launcher: every process of its fleet has exited
 
 
+def _as_from_a_terminal() -> None:
+    """Ctrl-C's disposition as a terminal's shell gives the launcher: a suite run as a background job
+    (`make test &`, nohup) ignores SIGINT, and its children inherit that until the launcher installs its
+    own handler, so a Ctrl-C in its first second would be lost where a user's is not."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _popen_up(cfg: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     full = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     return subprocess.Popen([*RLFLEET, "up", "--config", str(cfg)], cwd=ROOT, env=full, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            preexec_fn=_as_from_a_terminal)
 
 
 def _kill_all(entries: list[str]) -> None:
