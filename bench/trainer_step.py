@@ -24,13 +24,14 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench import learn
-from bench.common import say as _say
+from bench import common, learn
+from bench.vs_trl.gpu import GpuSampler, mean_util
 
-say = lambda *a: _say(*a, tag="trainer_step", err=True)  # noqa: E731
+say = partial(common.say, tag="trainer_step", err=True)
 
 # name -> algo overrides on top of bench.learn's (micro_batch_size 64, eager, TF32 on a GPU).
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -94,44 +95,6 @@ def batch_of(prompts: list[list[int]], comps: list[Any], group: int, pad: int, v
                    advantages=adv * response_mask, versions=torch.full((b,), version - 1))
 
 
-class Util:
-    """Mean NVML GPU utilisation while the block runs (None without NVML)."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self.handle: Any = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            self.nvml = pynvml
-        except Exception:
-            pass
-        self.stop = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    def __enter__(self) -> Util:
-        if self.handle is not None:
-            self.thread = threading.Thread(target=self._poll, daemon=True)
-            self.thread.start()
-        return self
-
-    def _poll(self) -> None:
-        while not self.stop.is_set():
-            self.samples.append(float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu))
-            time.sleep(0.02)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join()
-
-    @property
-    def mean(self) -> float | None:
-        return round(statistics.fmean(self.samples), 1) if len(self.samples) > 2 else None
-
-
 def spread(xs: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
 
@@ -167,17 +130,20 @@ def stepper(trainer: Any, batch: Any) -> Callable[[], dict[str, float]]:
     return lambda: trainer.train_step(batch, next(steps), current_version=2)
 
 
-def timed(one: Callable[[], Any], steps: int, device: str) -> dict[str, Any]:
+def timed(one: Callable[[], Any], steps: int, device: str, gpu: GpuSampler) -> dict[str, Any]:
+    """`steps` steps, each waited for; their median and range, and NVML's mean utilisation meanwhile."""
     times = []
     stats: dict[str, float] = {}
     sync(device)
-    with Util() as util:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            stats = one()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-    return {"train_step": spread(times), "gpu_util": util.mean, "compiles": stats.get("compiles")}
+    start = time.time()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        stats = one()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    util = mean_util(gpu.between(start, time.time()))
+    return {"train_step": spread(times), "gpu_util": None if util is None else round(util, 1),
+            "compiles": stats.get("compiles")}
 
 
 def overlapped(engine: Any, prompts: list[list[int]], params: Any, one: Callable[[], Any],
@@ -233,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=1))
 
+    gpu = GpuSampler(period=0.02)  # NVML utilisation while the variants' steps run (none without NVML)
+    gpu.start()
     cfg = run_config(args.task)
     task, tok, _ = learn.load_task(learn.run_config(Path(str(cfg.models.policy.path)), cfg.run.dir))
     device = cfg.endpoint("actor").device
@@ -282,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(2):
                 one()
             v = res["variants"].setdefault(name, {})
-            v.update(timed(one, args.steps, device))
+            v.update(timed(one, args.steps, device, gpu))
             v["profile"] = profile_step(one, device)
             if name == names[0]:  # the weight sync as the actor makes it after a step, then both at once
                 weights = list(engine_weights(model))
@@ -302,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             write()
     finally:
+        gpu.stop.set()
         engine.close()
     return 0
 

@@ -72,7 +72,7 @@ def watch_parent(poll_s: float = POLL_S) -> None:
     # open) says so too, and is the one sign for a child forked by a forkserver, whose OS parent is the
     # server (which exits with the spawner, so a change of the OS parent means the same).
     _parent = _spawner.pid if _spawner is not None and _spawner.pid is not None else os.getppid()
-    _os_parent = os.getppid() if os.getppid() != _parent and _spawner is not None else _parent
+    _os_parent = os.getppid()
 
     def watch() -> None:
         while not parent_gone():
