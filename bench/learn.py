@@ -10,7 +10,8 @@ A run is `CONFIG:SEED`: `fleet` (rlfleet's configuration: max_staleness 1), `fle
 algo.tf32 false: every fp32 matmul at full precision), `fleet-on-policy` (max_staleness 0),
 `fleet-sampled` (max_staleness 1 clipped against the weights that sampled each batch: algo.proximal
 "sampled"), `fleet-mb256` (one micro-batch of the step's 256 rows), `fleet-mb256-compiled` (the same with
-algo.compile), `fleet-mb256-bf16` (the same with algo.autocast bfloat16), `trl`, or `trl-tf32` (TRL with
+algo.compile), `fleet-mb256-bf16` (the same with algo.autocast bfloat16), `fleet-mb256-1msg` (the same as
+fleet-mb256 with the step's 32 prompts in one message: one engine call), `trl`, or `trl-tf32` (TRL with
 its `tf32` argument on, as rlfleet's trainer); each writes
 DIR/<task>-<config>-s<seed>.json as soon as it ends, so a device call cut short keeps the runs it
 finished. Tasks (`TASKS`): basic_arithmetic (the untrained model: 0%) and chain_sum (2-3 terms, the last
@@ -78,7 +79,7 @@ W: dict[str, Any] = {
     "clip_eps": 0.2, "micro_batch": 64, "eval_size": 200, "eval_every": 5, "seed": 0,
     "vllm_gpu_memory_utilization": 0.3, "max_model_len": 512, "budget_s": 360.0, "max_staleness": 1,
     "task": "basic_arithmetic", "proximal": "current", "tf32": None, "config": "fleet", "compile": False,
-    "autocast": None,
+    "autocast": None, "prompts_per_message": 8,
 }
 # Reasoning-gym generators and their parameters: the example's basic_arithmetic (the whole completion is
 # the answer: the untrained model, which answers in sentences, scores 0%), and chain_sum of 2-3 terms of
@@ -95,12 +96,13 @@ TASKS: dict[str, dict[str, Any]] = {
 # algo.proximal "sampled"; TRL as its users run it, and TRL with TF32 matmuls as rlfleet's trainer has them
 # (the two controls say what the matmul precision alone is worth to each framework).
 CONFIGS = ("fleet", "fleet-fp32", "fleet-on-policy", "fleet-sampled", "fleet-mb256", "fleet-mb256-compiled",
-           "fleet-mb256-bf16", "trl", "trl-tf32")
+           "fleet-mb256-bf16", "fleet-mb256-1msg", "trl", "trl-tf32")
 FLEET_CONFIGS = tuple(c for c in CONFIGS if c.startswith("fleet"))
 FLEET_VLLM: dict[str, Any] = {"kv_cache_gib": 4, "cudagraph_max_batch": 256}
 if DRY:
     W.update(prompts_per_step=4, group=2, max_new_tokens=4, micro_batch=4, eval_size=8, eval_every=2,
-             budget_s=25.0)
+             budget_s=25.0, prompts_per_message=1)
+DEFAULT_PROMPTS_PER_MESSAGE = W["prompts_per_message"]
 DEFAULT_MICRO_BATCH = W["micro_batch"]
 
 
@@ -188,7 +190,7 @@ def run_config(model: Path, run_dir: Path) -> dict[str, Any]:
                          "vllm": {"gpu_memory_utilization": W["vllm_gpu_memory_utilization"],
                                   "max_model_len": W["max_model_len"], **({} if DRY else FLEET_VLLM)}}
     cfg["batch"] = {"prompts_per_step": W["prompts_per_step"],
-                    "prompts_per_message": max(1, W["prompts_per_step"] // 4)}
+                    "prompts_per_message": W["prompts_per_message"]}
     cfg["services"] = {n: {"device": device} for n in ("actor", "critic", "reference")}
     cfg["flow"] = {"max_staleness": W["max_staleness"], "resend_after_s": 900.0, "rpc_timeout_s": 900.0}
     cfg["checkpoint"] = {"every": 100_000}
@@ -542,13 +544,17 @@ def settings_of(config: str) -> dict[str, Any]:
     # fleet-mb256: the step's 256 rows in one forward and backward rather than four of 64 (the same
     # gradient; fewer, larger kernels for a trainer that paces the step at 0.4-0.7 s)
     # fleet-mb256-compiled: the same with algo.compile (the actor compiles its trainer while vLLM starts);
-    # fleet-mb256-bf16: the same in bf16 mixed precision (algo.autocast)
+    # fleet-mb256-bf16: the same in bf16 mixed precision (algo.autocast);
+    # fleet-mb256-1msg: fleet-mb256 with the step's prompts in one message: the actor generates a message
+    # per engine call, one after the other, so four messages of 64 rows cost about four calls' decoding
+    # (24 steps each) where one call of 256 rows costs one (the engine is far from full at 256)
     whole = W["prompts_per_step"] * W["group"]
     return {"max_staleness": 0 if config == "fleet-on-policy" else 1,
             "proximal": "sampled" if config == "fleet-sampled" else "current",
             "micro_batch": whole if config.startswith("fleet-mb256") else DEFAULT_MICRO_BATCH,
             "tf32": False if config == "fleet-fp32" else True if config == "trl-tf32" else None,
-            "compile": config.endswith("-compiled"), "autocast": "bfloat16" if config.endswith("-bf16") else None}
+            "compile": config.endswith("-compiled"), "autocast": "bfloat16" if config.endswith("-bf16") else None,
+            "prompts_per_message": W["prompts_per_step"] if config.endswith("-1msg") else DEFAULT_PROMPTS_PER_MESSAGE}
 
 
 def parse_runs(text: str) -> list[tuple[str, int]]:

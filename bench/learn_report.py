@@ -28,11 +28,12 @@ LABELS = {"fleet": "rlfleet (max_staleness 1, TF32 matmuls)", "fleet-fp32": "rlf
           "fleet-mb256": "rlfleet, one micro-batch of 256 rows (max_staleness 1)",
           "fleet-mb256-compiled": "rlfleet, one micro-batch of 256 rows, compiled (max_staleness 1)",
           "fleet-mb256-bf16": "rlfleet, one micro-batch of 256 rows, bf16 autocast (max_staleness 1)",
+          "fleet-mb256-1msg": "rlfleet, one micro-batch and one engine call of 256 rows (max_staleness 1)",
           "trl": "TRL 1.16 + vLLM colocated",
           "trl-tf32": "TRL 1.16 + vLLM colocated, TF32 matmuls"}
 COLORS = {"fleet": "tab:blue", "fleet-fp32": "tab:cyan", "fleet-on-policy": "tab:green", "fleet-sampled": "tab:purple",
           "fleet-mb256": "tab:brown", "fleet-mb256-compiled": "tab:olive",
-          "fleet-mb256-bf16": "tab:pink",
+          "fleet-mb256-bf16": "tab:pink", "fleet-mb256-1msg": "tab:red",
           "trl": "tab:orange", "trl-tf32": "tab:red"}
 # The configurations every task needs three seeds of; the controls (fleet-fp32, trl-tf32) and the
 # levers (fleet-sampled, fleet-mb256) are run where a question needs them.

@@ -223,6 +223,18 @@ def main(argv: list[str] | None = None) -> int:
             tokens.append(sum(len(c.token_ids) for c in comps))
         res["generate_alone"] = {**spread(gen_s), "response_tokens": statistics.median(tokens)}
         say("generate alone", res["generate_alone"])
+        # As the actor generates a step: one engine call per prompt message, one after the other (it
+        # consumes its stream one message at a time), so a step of four messages is four calls of 64 rows.
+        per = cfg.batch.prompts_per_message * group
+        msg_s = []
+        for i in range(4):
+            t0 = time.perf_counter()
+            for k in range(0, len(prompts), per):
+                engine.generate(prompts[k:k + per], SamplingParams(**{**params.__dict__, "seed": cfg.run.seed + i,
+                                                                       "first_row": k}))
+            msg_s.append(time.perf_counter() - t0)
+        res["generate_in_messages"] = {**spread(msg_s), "messages": -(-len(prompts) // per), "rows_per_message": per}
+        say("generate in messages", res["generate_in_messages"])
         write()
 
         pad = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)

@@ -28,6 +28,9 @@ def test_the_dry_run_times_generation_sync_and_each_trainer_variant_on_a_real_ba
     res = json.loads(out.read_text())
     assert res["batch"]["rows"] == 8 and res["batch"]["response_tokens"] > 0  # the dry run's 4 prompts x 2
     assert res["generate_alone"]["median"] > 0 and res["weight_sync"]["median"] > 0
+    # the step's generation as the actor makes it: one engine call per prompt message (1 prompt x 2 here)
+    assert res["generate_in_messages"]["messages"] == 4 and res["generate_in_messages"]["rows_per_message"] == 2
+    assert res["generate_in_messages"]["median"] > 0
     assert res["overlapped"]["generate"]["median"] > 0 and res["overlapped"]["train_step"]["median"] > 0
     assert list(res["variants"]) == ["mb64", "mb256-bf16"]
     for v in res["variants"].values():
