@@ -179,11 +179,8 @@ class GenerationSection(_Strict):
 class BatchSection(_Strict):
     # Prompts admitted per training step; each is sampled `algo.group_size` times.
     prompts_per_step: Annotated[int, Field(ge=1)] = 16
-    # Prompts per message on the prompts stream. The actor generates one message per engine call, one
-    # message after another, so on a GPU this is also the engine's batch (times group_size): a step of
-    # many small messages decodes its tokens once per message (in issue 32's learning runs, a step of
-    # four 64-row messages left prompts queued at the actor once its trainer got fast). Smaller messages
-    # spread a step over engine replicas and actors and lose less to a dropped message.
+    # Prompts per message on the prompts stream, and the actor's engine batch (x group_size): one
+    # engine call per message, one after another, so many small messages decode once each.
     prompts_per_message: Annotated[int, Field(ge=1)] = 4
 
 
