@@ -55,8 +55,9 @@ run-local: setup
 	$(BIN)/rlfleet train --local --config $(CONFIG)
 
 # The deploy tests (tests/deploy) install a Docker engine and build images: `make test-deploy` runs them.
-# Unit tests, and the few others marked shares_host (the single-process loop's learning runs, the
-# benchmarks' dry runs), are independent and CPU-bound: two workers (pytest-xdist). The fleet, fault
+# Unit tests, and the others marked shares_host (the single-process loop's learning runs, the
+# benchmarks' dry runs, integration tests of real processes that start no fleet and bound no time),
+# are independent: two workers (pytest-xdist). The fleet, fault
 # and integration tests run one at a time, since their timing bounds assume the host is theirs.
 # `make test` is both; CI (.ci/run) runs the two halves apart.
 test: test-unit test-serial

@@ -13,7 +13,8 @@ from services.local import run_local
 from services.report import read_metrics
 from tests.fleet_helpers import tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# Real processes, but no fleet and no time bound: it runs beside the unit tests (make test-unit).
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.shares_host]
 
 
 def test_a_local_run_without_engine_logprobs_trains_with_finite_losses(tmp_path: Path, tiny_model: Path) -> None:

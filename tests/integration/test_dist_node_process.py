@@ -13,8 +13,13 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
+
 from services.dist.nodes import START_KEY, Layout, NodeWatch, exit_key, master_store, pids_key, publish_layout
 from tests.fleet_helpers import free_port, gone, start_dist_node
+
+# Real processes, but no fleet and no time bound: it runs beside the unit tests (make test-unit).
+pytestmark = pytest.mark.shares_host
 
 LEADER = textwrap.dedent("""
     import sys, time

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -18,6 +19,9 @@ from services.models.nets.critic import ValueModel
 from services.rl.batch import Rollout
 from services.rl.trainer import PolicyTrainer
 from tests.fleet_helpers import tiny_config
+
+# Real processes, but no fleet and no time bound: it runs beside the unit tests (make test-unit).
+pytestmark = pytest.mark.shares_host
 
 
 def _cfg(tmp: Path, model: Path, ranks: int) -> RunConfig:

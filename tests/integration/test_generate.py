@@ -29,7 +29,8 @@ from services.tasks.evaluation import read_samples
 from tests.fleet_helpers import tiny_config
 from tests.integration.test_update_weights import ActorProc
 
-pytestmark = pytest.mark.timeout(600)
+# Real processes, but no fleet and no time bound: it runs beside the unit tests (make test-unit).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.shares_host]
 
 EVAL_SIZE = 4
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9], [5, 5]]

@@ -14,6 +14,9 @@ from services.local import run_local
 from services.report import read_metrics
 from tests.fleet_helpers import tiny_config
 
+# Real processes, but no fleet and no time bound: it runs beside the unit tests (make test-unit).
+pytestmark = pytest.mark.shares_host
+
 KEYS = ("reward_mean", "adv_abs_mean", "policy_loss", "kl_loss", "value_loss", "entropy")
 
 

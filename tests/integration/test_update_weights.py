@@ -29,7 +29,8 @@ from services.rl.trainer import PolicyTrainer
 from services.rl.wire import message, validate_rollout_batch
 from tests.fleet_helpers import tiny_config
 
-pytestmark = pytest.mark.timeout(600)
+# Real processes, but no fleet and no time bound: it runs beside the unit tests (make test-unit).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.shares_host]
 
 
 class ActorProc:

@@ -7,10 +7,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import pytest
+
 from services.core.host.redis_proc import RedisProcess
 from services.core.observability.metrics import ServiceMetrics
 from services.core.serving.worker import StreamWorker
 from services.core.transport.bus import Bus, BusUnavailable, Message
+
+# Real processes, but no fleet and no time bound: it runs beside the unit tests (make test-unit).
+pytestmark = pytest.mark.shares_host
 
 
 def run_worker(rp: RedisProcess, payloads: list[bytes],
