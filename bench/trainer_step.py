@@ -24,6 +24,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         gen_s, tokens = [], []
         for i in range(4):
             t0 = time.perf_counter()
-            comps = engine.generate(prompts, SamplingParams(**{**params.__dict__, "seed": cfg.run.seed + i}))
+            comps = engine.generate(prompts, replace(params, seed=cfg.run.seed + i))
             gen_s.append(time.perf_counter() - t0)
             tokens.append(sum(len(c.token_ids) for c in comps))
         res["generate_alone"] = {**spread(gen_s), "response_tokens": statistics.median(tokens)}
@@ -230,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(4):
             t0 = time.perf_counter()
             for k in range(0, len(prompts), per):
-                engine.generate(prompts[k:k + per], SamplingParams(**{**params.__dict__, "seed": cfg.run.seed + i,
-                                                                       "first_row": k}))
+                engine.generate(prompts[k:k + per], replace(params, seed=cfg.run.seed + i, first_row=k))
             msg_s.append(time.perf_counter() - t0)
         res["generate_in_messages"] = {**spread(msg_s), "messages": -(-len(prompts) // per), "rows_per_message": per}
         say("generate in messages", res["generate_in_messages"])
