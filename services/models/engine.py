@@ -17,6 +17,9 @@ Contract every backend keeps (pinned by tests/unit/test_engine_contract.py):
   (`params.seed`, `params.first_row + i`), so the same prompts, params and weights give the same
   completions in every process, however the prompts are batched or spread over engine replicas
   (`services.models.engines.replicas` gives each replica its slice with `first_row` set to where it starts).
+  A call that joins several requests (the actor generating waiting messages together) names each
+  row's seed instead (`params.row_seeds`, from `SamplingParams.seeds`): each row samples as it would
+  have in its own request's call. `params.seed_of(i)` is row i's seed either way.
 - `pause()` stops new `generate` calls from starting (they block until `resume()`) and returns once
   the calls already in flight have finished. `abort()` makes the calls in flight at that moment
   return early, keeping what they generated, with finish_reason "abort" on unfinished sequences;
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -75,6 +78,9 @@ class SamplingParams:
     # Whether to compute each sampled token's log-prob; False leaves Completion.logprobs zeros (the
     # trainer then scores the tokens itself: generation.behaviour_logprobs "trainer").
     logprobs: bool = True
+    # Each row's own seed, one per prompt of the call (empty: rows are seeded by seed and first_row).
+    # Set by a call that joins requests of different seeds; `seed` and `first_row` are then unused.
+    row_seeds: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.logprobs, bool):
@@ -91,6 +97,23 @@ class SamplingParams:
             raise ValueError(f"first_row must be >= 0, got {self.first_row}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        bad = [s for s in self.row_seeds if not (isinstance(s, int) and 0 <= s < _SEED_MOD)]
+        if bad:
+            raise ValueError(f"row_seeds must be integers in [0, 2**63 - 1), got {bad[:3]}")
+
+    def seed_of(self, row: int) -> int:
+        """The sampling seed of row `row` of this call."""
+        return self.row_seeds[row] if self.row_seeds else row_seed(self.seed, self.first_row + row)
+
+    def seeds(self, n: int) -> tuple[int, ...]:
+        """The seeds of this call's `n` rows, to carry them into a call that joins requests."""
+        return tuple(self.seed_of(i) for i in range(n))
+
+    def rows(self, start: int, stop: int) -> SamplingParams:
+        """These params for rows [start, stop) of the call alone (a replica's slice): seeded as here."""
+        if self.row_seeds:
+            return replace(self, row_seeds=self.row_seeds[start:stop])
+        return replace(self, first_row=self.first_row + start)
 
 
 @dataclass
@@ -150,8 +173,11 @@ def row_seed(seed: int, row: int) -> int:
     return (int(seed) * 1_000_003 + int(row) * 7919 + 1) % _SEED_MOD
 
 
-def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
-    """Every prompt non-empty and inside the vocabulary, else an `EngineError` naming the first bad one."""
+def check_prompts(prompts: list[list[int]], vocab_size: int, params: SamplingParams | None = None) -> None:
+    """Every prompt non-empty and inside the vocabulary, and one row seed per prompt where `params`
+    names them, else an `EngineError` naming the first bad one."""
+    if params is not None and params.row_seeds and len(params.row_seeds) != len(prompts):
+        raise EngineError(f"{len(params.row_seeds)} row seeds for {len(prompts)} prompts; give one per prompt")
     for i, p in enumerate(prompts):
         if not p:
             raise EngineError(f"prompt {i} is empty; a prompt needs at least one token (e.g. BOS)")

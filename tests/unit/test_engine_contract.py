@@ -356,6 +356,27 @@ def test_micro_batches_give_the_same_greedy_completions(
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_a_call_joining_requests_samples_each_row_as_its_own_request_did(
+    new_engine: Callable[..., GenerationEngine], prompts: list[list[int]]
+) -> None:
+    engine = new_engine()
+    a = SamplingParams(temperature=1.0, max_new_tokens=10, seed=5)
+    b = replace(a, seed=6)
+    first, second = prompts[:5], prompts[5:]
+    alone = engine.generate(first, a) + engine.generate(second, b)
+    joined = engine.generate(first + second, replace(a, row_seeds=a.seeds(len(first)) + b.seeds(len(second))))
+    assert _rows(joined) == _rows(alone)
+    assert _rows(alone) != _rows(engine.generate(prompts, a))  # the seeds, not the prompts, made them equal
+    with pytest.raises(EngineError, match="3 row seeds for 2 prompts"):
+        engine.generate(prompts[:2], replace(a, row_seeds=(1, 2, 3)))
+
+
+def test_sampling_params_refuse_row_seeds_outside_the_seed_range() -> None:
+    with pytest.raises(ValueError, match=r"row_seeds must be integers in \[0, 2\*\*63 - 1\), got \[-1\]"):
+        SamplingParams(row_seeds=(3, -1))
+    assert SamplingParams(seed=9).rows(4, 8).seeds(4) == SamplingParams(seed=9).seeds(8)[4:]
+
+
 def test_bad_prompts_are_rejected_with_the_row(new_engine: Callable[..., GenerationEngine]) -> None:
     engine = new_engine()
     with pytest.raises(EngineError, match="prompt 1 is empty"):

@@ -26,7 +26,7 @@ from services.models.engine import (
 )
 from services.models.engines.factory import available_engines, make_engine
 from services.models.engines.vllm_adapter import sampled_logprobs
-from services.models.engines.vllm_engine import expected_parameters, request_seed
+from services.models.engines.vllm_engine import expected_parameters, vllm_seed
 from services.models.io.loading import load_causal_lm, load_tokenizer
 from services.models.nets.logprobs import response_logprobs
 from services.models.roles.tiny import build_tiny_model
@@ -58,11 +58,15 @@ def test_transformers_backend_refuses_vllm_options(models: dict[str, Path]) -> N
 
 
 def test_request_seeds_differ_per_row_and_per_call_seed() -> None:
-    rows = [request_seed(7, i) for i in range(1024)]
+    rows = [vllm_seed(SamplingParams(seed=7), i) for i in range(1024)]
     assert len(set(rows)) == len(rows)
-    assert rows == [request_seed(7, i) for i in range(1024)]
-    assert request_seed(8, 0) not in rows[:8]
+    assert rows == [vllm_seed(SamplingParams(seed=7), i) for i in range(1024)]
+    assert vllm_seed(SamplingParams(seed=8), 0) not in rows[:8]
     assert all(0 <= s < 2**31 for s in rows)
+    # a replica's slice and a call that names each row's seed sample as the whole call did
+    assert [vllm_seed(SamplingParams(seed=7).rows(512, 1024), i) for i in range(512)] == rows[512:]
+    joined = SamplingParams(row_seeds=SamplingParams(seed=7).seeds(1024))
+    assert [vllm_seed(joined, i) for i in range(1024)] == rows
 
 
 def test_expected_parameters_group_tied_embeddings(models: dict[str, Path]) -> None:

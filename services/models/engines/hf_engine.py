@@ -24,7 +24,6 @@ from services.models.engine import (
     SamplingParams,
     WeightsTorn,
     check_prompts,
-    row_seed,
 )
 from services.models.engines.gate import CallGate
 from services.models.io.loading import load_causal_lm, load_tokenizer
@@ -183,9 +182,9 @@ class TransformersEngine:
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        check_prompts(prompts, self._vocab)
+        check_prompts(prompts, self._vocab, params)
         with self._gate.call() as epoch:
-            generators = [torch.Generator(device=self._device).manual_seed(row_seed(params.seed, params.first_row + i))
+            generators = [torch.Generator(device=self._device).manual_seed(params.seed_of(i))
                           for i in range(len(prompts))]
             stop = torch.tensor(sorted(set(self._eos) | set(params.stop_token_ids)), device=self._device)
             step = self._micro_batch or max(len(prompts), 1)

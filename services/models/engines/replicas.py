@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -220,7 +220,7 @@ class ReplicaEngine:
 
             def run(r: int, a: int, b: int) -> list[Completion]:
                 t0 = time.perf_counter()
-                out = self._engines[r].generate(prompts[a:b], replace(params, first_row=params.first_row + a))
+                out = self._engines[r].generate(prompts[a:b], params.rows(a, b))
                 c = self._counters[r]
                 with c.lock:
                     c.tokens += sum(len(x.token_ids) for x in out)

@@ -15,8 +15,9 @@ The engine keeps the contract of `services.models.engine` (the transformers back
   mode and wraps the worker's sampler (`vllm_adapter.patch_sampler`) so that the "processed" tensor it scores is
   `logits.float() / temperature` taken before any filtering (greedy rows: `logits.float()`). Sampling
   itself is untouched. `scoring` in `describe()` says which path is active.
-- Sampling is seeded per request: row i of a call gets seed `mix(params.seed, params.first_row + i)`, so
-  the same prompts, params and weights give the same completions, and the copies of one prompt in a GRPO group differ.
+- Sampling is seeded per request: row i of a call gets the contract's row seed (`params.seed_of(i)`) in
+  vLLM's seed range, so the same prompts, params and weights give the same completions, and the copies
+  of one prompt in a GRPO group differ.
 - The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so `update_weights` hands
   tensors to the model's own `load_weights` by reference (no serialisation), bucket by bucket, then
   resets the prefix cache: KV blocks cached under the old weights would otherwise be reused for prompts
@@ -113,9 +114,9 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def request_seed(seed: int, row: int) -> int:
-    """The vLLM seed of row `row` of a generate call seeded with `seed` (distinct per row)."""
-    return (int(seed) * 1_000_003 + int(row) * 7919 + 1) % _SEED_MOD
+def vllm_seed(params: SamplingParams, row: int) -> int:
+    """The vLLM seed of row `row` of a generate call: the contract's row seed, in vLLM's range."""
+    return params.seed_of(row) % _SEED_MOD
 
 
 # -- expected parameters (strict weight sync) ------------------------------------------------------
@@ -322,12 +323,12 @@ class VLLMEngine:
     def sampling_params(self, params: SamplingParams, row: int) -> Any:
         from vllm.sampling_params import RequestOutputKind
 
-        seed = request_seed(params.seed, params.first_row + row)  # a replica slice seeds as the whole call
+        seed = vllm_seed(params, row)  # a replica slice seeds as the whole call
         return self._vllm.SamplingParams(**sampling_kwargs(params, self._eos, seed),
                                          output_kind=RequestOutputKind.FINAL_ONLY)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        check_prompts(prompts, self._vocab)
+        check_prompts(prompts, self._vocab, params)
         with self._gate.call() as epoch, self._engine_lock:
             if self._gate.aborted(epoch):
                 return [Completion([], [], "abort") for _ in prompts]
