@@ -22,6 +22,7 @@ from typing import Any, cast
 import grpc
 from transformers import PreTrainedModel
 
+from services.actor.batching import EngineBatcher
 from services.actor.engine_metrics import ReplicaCollector, replica_rows
 from services.actor.outbox import Outbox
 from services.core.config.run import RunConfig
@@ -85,6 +86,8 @@ class Actor:
         self.bus: Bus | None = None
         self.worker: StreamWorker | None = None
         self.engine_lock = asyncio.Lock()  # generation vs weight sync
+        self.batcher = EngineBatcher(lambda p, s: self.engine.generate(p, s), self.engine_lock, lambda: self.version,
+                                     cfg.generation.batch_messages, registry=self.metrics.registry)
         self.warm: asyncio.Task[None] | None = None  # the trainer's compile (`warming`)
         self.held = False  # backpressure state
         self.fill = 0.0
@@ -235,18 +238,15 @@ class Actor:
         prompts = [list(p.token_ids) for p in batch.prompts]
         params = self._params(batch.sampling)
         await self.wait_for_version(batch)
-        t0 = time.perf_counter()
         with self.metrics.time_stage("generate"):
-            async with self.engine_lock:
-                version = self.version
-                comps = await asyncio.to_thread(self.engine.generate, prompts, params)
-        gen_s = time.perf_counter() - t0
+            got = await self.batcher.generate(prompts, params)
+        comps = got.completions
         rollout = completions_to_rollout(
             [p.task_id for p in batch.prompts], prompts, comps, [int(p.group_id) for p in batch.prompts],
-            version, self.tokenizer.pad_token_id)
+            got.version, self.tokenizer.pad_token_id)
         rollout_id = new_rollout_id(batch.batch_id)
         out = rollout_to_proto(rollout, rollout_id, sampling=batch.sampling,
-                               finish_reasons=[c.finish_reason for c in comps], generate_seconds=gen_s)
+                               finish_reasons=[c.finish_reason for c in comps], generate_seconds=got.seconds)
         data = out.SerializeToString()
         headers = {"kind": "rollout", "batch_id": rollout_id}
         try:
@@ -424,7 +424,7 @@ class Actor:
         await self.bus.ensure_groups(self.bus.keys.prompts, ["actor"])
         await self.bus.ensure_groups(self.bus.keys.rollouts, [*c.stages(), "controller"])
         self.worker = StreamWorker(self.bus, self.bus.keys.prompts, "actor", self.instance, self.handle,
-                                   self.metrics, gate=self.gate)
+                                   self.metrics, gate=self.gate, count=c.generation.batch_messages, together=True)
         await self.runtime.refresh_readiness()
         warm = self.warming()
         background = asyncio.create_task(self.housekeeping())

@@ -115,6 +115,9 @@ def test_ppo_fleet_metrics_move_during_a_run(tmp_path: Path, tiny_model: Path, f
         for row in fleet_status.values():
             assert {"pid", "host", "grpc_port", "http_port", "state"} <= set(row)
     assert _total(after["actor"], "rlfleet_stage_latency_seconds_count") > 0
+    # A step's four messages wait for the engine together: the actor generates them in joined calls.
+    calls = _total(after["actor"], "rlfleet_engine_call_messages_count")
+    assert 0 < calls < _total(after["actor"], "rlfleet_engine_call_messages_sum")
     assert any(k.startswith("rlfleet_fill_ratio") for k in after["actor"])
     assert fleet.supervise(timeout_s=240) == 0
     rows = _rows(tmp_path / "ppo")

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.shares_host
 
 
 def run_worker(rp: RedisProcess, payloads: list[bytes],
-               handle: Callable[[StreamWorker, Message], Awaitable[None]]) -> BaseException | None:
+               handle: Callable[[StreamWorker, Message], Awaitable[None]], count: int = 1,
+               together: bool = False) -> BaseException | None:
     async def main() -> BaseException | None:
         bus = await Bus.connect(rp.url, "w")
         stream = bus.keys.prompts
@@ -27,7 +28,7 @@ def run_worker(rp: RedisProcess, payloads: list[bytes],
         for i, data in enumerate(payloads):
             await bus.publish(stream, data, kind="prompts", batch_id=f"b{i}")
         worker = StreamWorker(bus, stream, "g", "c1", lambda m: handle(worker, m), ServiceMetrics("t"),
-                              block_ms=100)
+                              block_ms=100, count=count, together=together)
         try:
             await asyncio.wait_for(worker.run(), 30)
         except Exception as err:  # what the service's main loop would die of
@@ -83,3 +84,41 @@ def test_a_transient_failure_is_retried_in_place_then_acknowledged(redis_server:
     r = redis_server.client()
     assert r.xlen("rlfleet:w:dead") == 0
     assert r.xpending("rlfleet:w:prompts", "g")["pending"] == 0
+
+
+def test_messages_read_together_are_handled_side_by_side_each_acked_or_dead_lettered_alone(
+    redis_server: RedisProcess,
+) -> None:
+    started: list[bytes] = []
+    together = asyncio.Event()
+
+    async def handle(w: StreamWorker, msg: Message) -> None:
+        started.append(msg.data)
+        if len(started) == 3:
+            together.set()
+        await asyncio.wait_for(together.wait(), 5)  # only returns if all three run at once
+        if msg.data == b"bad":
+            raise ValueError("temperature must be >= 0 (0 = greedy), got -1.0")
+        w.stop()
+
+    err = run_worker(redis_server, [b"a", b"bad", b"c"], handle, count=3, together=True)
+    assert err is None and sorted(started) == [b"a", b"bad", b"c"]
+    r = redis_server.client()
+    assert [f[b"reason"] for _, f in r.xrange("rlfleet:w:dead")] == [
+        b"invalid_content: temperature must be >= 0 (0 = greedy), got -1.0"]
+    assert r.xpending("rlfleet:w:prompts", "g")["pending"] == 0
+
+
+def test_a_bug_in_one_of_the_messages_handled_together_fails_fast_and_leaves_the_others_pending(
+    redis_server: RedisProcess,
+) -> None:
+    async def handle(w: StreamWorker, msg: Message) -> None:
+        if msg.data == b"bug":
+            raise RuntimeError("a bug")
+        await asyncio.sleep(30)  # still running when the bug ends the loop: cancelled, not acknowledged
+
+    err = run_worker(redis_server, [b"a", b"bug", b"c"], handle, count=3, together=True)
+    assert isinstance(err, RuntimeError)
+    r = redis_server.client()
+    assert r.xlen("rlfleet:w:dead") == 0
+    assert r.xpending("rlfleet:w:prompts", "g")["pending"] == 3

@@ -60,12 +60,16 @@ class StreamWorker:
         count: int = 1,
         block_ms: int = 500,
         gate: Callable[[], Awaitable[None]] | None = None,
+        together: bool = False,
     ) -> None:
         self.bus, self.stream, self.group, self.consumer = bus, stream, group, consumer
         self.handle = handle
         self.metrics = metrics
         self.count, self.block_ms = count, block_ms
         self.gate = gate  # awaited before each read: backpressure holds the worker here
+        # Handle the messages of one read side by side (each acked or dead-lettered on its own), so a
+        # handler can batch their work; else one after another.
+        self.together = together
         self._stop = asyncio.Event()
         self.in_flight = 0
         self.handled = 0
@@ -96,8 +100,19 @@ class StreamWorker:
             except TRANSIENT:
                 break  # stopped while Redis was away
             self.redis_ok = True
-            for msg in msgs:
-                await self._process(msg)
+            if self.together and len(msgs) > 1:
+                await self._process_together(msgs)
+            else:
+                for msg in msgs:
+                    await self._process(msg)
+
+    async def _process_together(self, msgs: list[Message]) -> None:
+        tasks = [asyncio.create_task(self._process(m)) for m in msgs]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # one failed (fail fast): none of the others goes on unsupervised; theirs stay pending
+            for t in tasks:
+                t.cancel()
 
     async def _process(self, msg: Message) -> None:
         self.in_flight += 1
