@@ -27,7 +27,9 @@ from services.core.host.ports import pid_alive
 from services.models.engines.proc import FORKSERVER_ENV
 from tests.fleet_helpers import EXAMPLE
 
-pytestmark = pytest.mark.timeout(240)
+# Real actor and engine processes, but no fleet: it runs beside the unit tests (make test-unit). The one
+# bound (an engine outlives its killed actor by under 10 s) is many times the engine's parent poll (engines.child).
+pytestmark = [pytest.mark.timeout(240), pytest.mark.shares_host]
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """

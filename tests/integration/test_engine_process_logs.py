@@ -13,7 +13,8 @@ import pytest
 from services.core.observability.logs import setup_logging
 from services.models.engines.proc import ProcessEngine
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(180)]
+# A real engine process, but no fleet and no time bound: it runs beside the unit tests (make test-unit).
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(180), pytest.mark.shares_host]
 
 
 def test_the_engine_process_writes_its_records_as_json_lines_of_its_service(
