@@ -224,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             tokens.append(sum(len(c.token_ids) for c in comps))
         res["generate_alone"] = {**spread(gen_s), "response_tokens": statistics.median(tokens)}
         say("generate alone", res["generate_alone"])
-        # As the actor generates a step: one engine call per prompt message, one after the other (it
-        # consumes its stream one message at a time), so a step of four messages is four calls of 64 rows.
+        # As an actor with generation.batch_messages 1 generates a step: one engine call per prompt message,
+        # one after the other, so a step of four messages is four calls of 64 rows (the default actor
+        # generates the messages that wait together in one call: `generate_alone`).
         per = cfg.batch.prompts_per_message * group
         msg_s = []
         for i in range(4):
