@@ -202,9 +202,10 @@ class Actor:
             await asyncio.to_thread(self.ranks.stop)
 
     # -- backpressure --------------------------------------------------------------------------------
-    async def gate(self) -> None:
+    async def gate(self) -> int:
         """Hold generation while the slowest downstream group is above the high watermark, until it
-        falls below the low watermark (hysteresis keeps the actor from flapping)."""
+        falls below the low watermark (hysteresis keeps the actor from flapping); then how many messages
+        the next read may take (`flow.room`), so a read of several never overshoots the hold."""
         assert self.bus is not None
         flow = self.cfg.flow
         groups = [*self.cfg.stages(), "controller"]
@@ -218,7 +219,7 @@ class Actor:
                 log.info("backpressure on", extra={"fill_ratio": round(self.fill, 3)})
             self.metrics.backpressure.set(int(self.held))
             if not self.held or (self.worker is not None and self.worker.stopping):
-                return
+                return flow.room(self.fill)
             await asyncio.sleep(0.1)
 
     # -- generation ----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.shares_host
 
 def run_worker(rp: RedisProcess, payloads: list[bytes],
                handle: Callable[[StreamWorker, Message], Awaitable[None]], count: int = 1,
-               together: bool = False) -> BaseException | None:
+               together: bool = False, gate: Callable[[], Awaitable[int | None]] | None = None) -> BaseException | None:
     async def main() -> BaseException | None:
         bus = await Bus.connect(rp.url, "w")
         stream = bus.keys.prompts
@@ -28,7 +28,7 @@ def run_worker(rp: RedisProcess, payloads: list[bytes],
         for i, data in enumerate(payloads):
             await bus.publish(stream, data, kind="prompts", batch_id=f"b{i}")
         worker = StreamWorker(bus, stream, "g", "c1", lambda m: handle(worker, m), ServiceMetrics("t"),
-                              block_ms=100, count=count, together=together)
+                              block_ms=100, count=count, together=together, gate=gate)
         try:
             await asyncio.wait_for(worker.run(), 30)
         except Exception as err:  # what the service's main loop would die of
@@ -122,3 +122,19 @@ def test_a_bug_in_one_of_the_messages_handled_together_fails_fast_and_leaves_the
     r = redis_server.client()
     assert r.xlen("rlfleet:w:dead") == 0
     assert r.xpending("rlfleet:w:prompts", "g")["pending"] == 3
+
+
+def test_a_gate_bounds_how_many_messages_one_read_takes(redis_server: RedisProcess) -> None:
+    in_flight: list[int] = []
+
+    async def room() -> int:
+        return 2  # what backpressure lets through below its high watermark
+
+    async def handle(w: StreamWorker, msg: Message) -> None:
+        await asyncio.sleep(0.05)  # the messages of one read are all in flight by now
+        in_flight.append(w.in_flight)
+        if len(in_flight) == 3:
+            w.stop()
+
+    err = run_worker(redis_server, [b"a", b"b", b"c"], handle, count=8, together=True, gate=room)
+    assert err is None and in_flight == [2, 2, 1]

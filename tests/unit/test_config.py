@@ -149,3 +149,9 @@ def test_the_engine_correction_is_named_and_its_bounds_checked() -> None:
     with pytest.raises(ConfigError, match=r"algo\.proximal"):
         parse_config({"algo": {"proximal": "oldest"}})
     assert parse_config({"algo": {"behaviour_correction": "none", "behaviour_weight_cap": None}}).algo.decoupled
+
+
+def test_flow_room_lets_through_what_fits_below_the_high_watermark_and_at_least_one() -> None:
+    flow = parse_config({"flow": {"high_watermark": 0.7, "low_watermark": 0.3, "stream_capacity": 4}}).flow
+    # 2.8 messages fit at an empty stream: three reads of one would have let through three.
+    assert [flow.room(f) for f in (0.0, 0.25, 0.5, 0.75, 1.0)] == [3, 2, 1, 1, 1]

@@ -6,6 +6,7 @@ Every service, the CLI and the local loop read the same `RunConfig`. Unknown key
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -166,6 +167,11 @@ class FlowSection(_Strict):
                 f"low_watermark ({self.low_watermark}) must be below high_watermark ({self.high_watermark})"
             )
         return self
+
+    def room(self, fill: float) -> int:
+        """Messages a producer may take at once at this fill ratio: those that fit below the high
+        watermark, at least one (as many as one at a time would let through before the hold)."""
+        return max(1, math.ceil((self.high_watermark - fill) * self.stream_capacity - 1e-9))
 
 
 class CheckpointSection(_Strict):

@@ -59,14 +59,16 @@ class StreamWorker:
         *,
         count: int = 1,
         block_ms: int = 500,
-        gate: Callable[[], Awaitable[None]] | None = None,
+        gate: Callable[[], Awaitable[int | None]] | None = None,
         together: bool = False,
     ) -> None:
         self.bus, self.stream, self.group, self.consumer = bus, stream, group, consumer
         self.handle = handle
         self.metrics = metrics
         self.count, self.block_ms = count, block_ms
-        self.gate = gate  # awaited before each read: backpressure holds the worker here
+        # Awaited before each read: backpressure holds the worker here, and may bound how many messages
+        # the read takes (its int result; None: `count`), so a read of many never overshoots the hold.
+        self.gate = gate
         # Handle the messages of one read side by side (each acked or dead-lettered on its own), so a
         # handler can batch their work; else one after another.
         self.together = together
@@ -86,11 +88,11 @@ class StreamWorker:
         self.redis_ok = not isinstance(err, BusUnavailable)
 
     async def _read(self) -> list[Message]:
-        if self.gate is not None:
-            await self.gate()
+        room = await self.gate() if self.gate is not None else None
         if self._stop.is_set():
             return []
-        return await self.bus.read(self.stream, self.group, self.consumer, self.count, self.block_ms)
+        count = self.count if room is None else max(1, min(self.count, room))
+        return await self.bus.read(self.stream, self.group, self.consumer, count, self.block_ms)
 
     async def run(self) -> None:
         while not self._stop.is_set():
