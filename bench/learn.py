@@ -11,7 +11,7 @@ algo.tf32 false: every fp32 matmul at full precision), `fleet-on-policy` (max_st
 `fleet-sampled` (max_staleness 1 clipped against the weights that sampled each batch: algo.proximal
 "sampled"), `fleet-mb256` (one micro-batch of the step's 256 rows), `fleet-mb256-compiled` (the same with
 algo.compile), `fleet-mb256-bf16` (the same with algo.autocast bfloat16), `fleet-mb256-1msg` (the same as
-fleet-mb256 with the step's 32 prompts in one message: one engine call), `trl`, or `trl-tf32` (TRL with
+fleet-mb256 with the step's 32 prompts in one message), `trl`, or `trl-tf32` (TRL with
 its `tf32` argument on, as rlfleet's trainer); each writes
 DIR/<task>-<config>-s<seed>.json as soon as it ends, so a device call cut short keeps the runs it
 finished. Tasks (`TASKS`): basic_arithmetic (the untrained model: 0%) and chain_sum (2-3 terms, the last
@@ -545,9 +545,10 @@ def settings_of(config: str) -> dict[str, Any]:
     # gradient; fewer, larger kernels for a trainer that paces the step at 0.4-0.7 s)
     # fleet-mb256-compiled: the same with algo.compile (the actor compiles its trainer while vLLM starts);
     # fleet-mb256-bf16: the same in bf16 mixed precision (algo.autocast);
-    # fleet-mb256-1msg: fleet-mb256 with the step's prompts in one message: the actor generates a message
-    # per engine call, one after the other, so four messages of 64 rows cost about four calls' decoding
-    # (24 steps each) where one call of 256 rows costs one (the engine is far from full at 256)
+    # fleet-mb256-1msg: fleet-mb256 with the step's prompts in one message. Made when the actor generated
+    # one message per engine call (four calls of 64 rows took 1.39x one of 256 on an H100); since
+    # generation.batch_messages it joins the messages that wait together, so fleet-mb256 gets one call too
+    # and this configuration says what the message size alone still costs (scoring and delivery per message)
     whole = W["prompts_per_step"] * W["group"]
     return {"max_staleness": 0 if config == "fleet-on-policy" else 1,
             "proximal": "sampled" if config == "fleet-sampled" else "current",
