@@ -11,7 +11,8 @@ algo.tf32 false: every fp32 matmul at full precision), `fleet-on-policy` (max_st
 `fleet-sampled` (max_staleness 1 clipped against the weights that sampled each batch: algo.proximal
 "sampled"), `fleet-mb256` (one micro-batch of the step's 256 rows), `fleet-mb256-compiled` (the same with
 algo.compile), `fleet-mb256-bf16` (the same with algo.autocast bfloat16), `fleet-mb256-1msg` (the same as
-fleet-mb256 with the step's 32 prompts in one message), `trl`, or `trl-tf32` (TRL with
+fleet-mb256 with the step's 32 prompts in one message), `fleet-mb256-joined` (fleet-mb256 with the waiting
+messages joined in one engine call, generation.batch_messages), `trl`, or `trl-tf32` (TRL with
 its `tf32` argument on, as rlfleet's trainer); each writes
 DIR/<task>-<config>-s<seed>.json as soon as it ends, so a device call cut short keeps the runs it
 finished. Tasks (`TASKS`): basic_arithmetic (the untrained model: 0%) and chain_sum (2-3 terms, the last
@@ -79,7 +80,7 @@ W: dict[str, Any] = {
     "clip_eps": 0.2, "micro_batch": 64, "eval_size": 200, "eval_every": 5, "seed": 0,
     "vllm_gpu_memory_utilization": 0.3, "max_model_len": 512, "budget_s": 360.0, "max_staleness": 1,
     "task": "basic_arithmetic", "proximal": "current", "tf32": None, "config": "fleet", "compile": False,
-    "autocast": None, "prompts_per_message": 8,
+    "autocast": None, "prompts_per_message": 8, "batch_messages": 8,
 }
 # Reasoning-gym generators and their parameters: the example's basic_arithmetic (the whole completion is
 # the answer: the untrained model, which answers in sentences, scores 0%), and chain_sum of 2-3 terms of
@@ -96,13 +97,14 @@ TASKS: dict[str, dict[str, Any]] = {
 # algo.proximal "sampled"; TRL as its users run it, and TRL with TF32 matmuls as rlfleet's trainer has them
 # (the two controls say what the matmul precision alone is worth to each framework).
 CONFIGS = ("fleet", "fleet-fp32", "fleet-on-policy", "fleet-sampled", "fleet-mb256", "fleet-mb256-compiled",
-           "fleet-mb256-bf16", "fleet-mb256-1msg", "trl", "trl-tf32")
+           "fleet-mb256-bf16", "fleet-mb256-1msg", "fleet-mb256-joined", "trl", "trl-tf32")
 FLEET_CONFIGS = tuple(c for c in CONFIGS if c.startswith("fleet"))
 FLEET_VLLM: dict[str, Any] = {"kv_cache_gib": 4, "cudagraph_max_batch": 256}
 if DRY:
     W.update(prompts_per_step=4, group=2, max_new_tokens=4, micro_batch=4, eval_size=8, eval_every=2,
              budget_s=25.0, prompts_per_message=1)
 DEFAULT_PROMPTS_PER_MESSAGE = W["prompts_per_message"]
+DEFAULT_BATCH_MESSAGES = W["batch_messages"]  # generation.batch_messages: rlfleet's default
 DEFAULT_MICRO_BATCH = W["micro_batch"]
 
 
@@ -187,6 +189,7 @@ def run_config(model: Path, run_dir: Path) -> dict[str, Any]:
     cfg["generation"] = {"engine": "transformers" if DRY else "vllm", "device": device,
                          "dtype": "float32" if DRY else "bfloat16", "process": not DRY,
                          "max_new_tokens": W["max_new_tokens"], "temperature": W["temperature"],
+                         "batch_messages": W["batch_messages"],
                          "vllm": {"gpu_memory_utilization": W["vllm_gpu_memory_utilization"],
                                   "max_model_len": W["max_model_len"], **({} if DRY else FLEET_VLLM)}}
     cfg["batch"] = {"prompts_per_step": W["prompts_per_step"],
@@ -549,13 +552,17 @@ def settings_of(config: str) -> dict[str, Any]:
     # one message per engine call (four calls of 64 rows took 1.39x one of 256 on an H100); since
     # generation.batch_messages it joins the messages that wait together, so fleet-mb256 gets one call too
     # and this configuration says what the message size alone still costs (scoring and delivery per message)
+    # fleet-mb256-joined: fleet-mb256 as rlfleet now runs it, the messages that wait together generated in
+    # one engine call (generation.batch_messages); fleet-mb256 keeps one call per message, as its recorded
+    # runs had it (the runs of the other configurations before 2026-12-08 had it too)
     whole = W["prompts_per_step"] * W["group"]
     return {"max_staleness": 0 if config == "fleet-on-policy" else 1,
             "proximal": "sampled" if config == "fleet-sampled" else "current",
             "micro_batch": whole if config.startswith("fleet-mb256") else DEFAULT_MICRO_BATCH,
             "tf32": False if config == "fleet-fp32" else True if config == "trl-tf32" else None,
             "compile": config.endswith("-compiled"), "autocast": "bfloat16" if config.endswith("-bf16") else None,
-            "prompts_per_message": W["prompts_per_step"] if config.endswith("-1msg") else DEFAULT_PROMPTS_PER_MESSAGE}
+            "prompts_per_message": W["prompts_per_step"] if config.endswith("-1msg") else DEFAULT_PROMPTS_PER_MESSAGE,
+            "batch_messages": 1 if config == "fleet-mb256" else DEFAULT_BATCH_MESSAGES}
 
 
 def parse_runs(text: str) -> list[tuple[str, int]]:

@@ -25,7 +25,8 @@ RUN_FILE = re.compile(r"^(?P<task>[a-z_]+)-(?P<config>[a-z0-9-]+)-s(?P<seed>\d+)
 LABELS = {"fleet": "rlfleet (max_staleness 1, TF32 matmuls)", "fleet-fp32": "rlfleet at full fp32 (max_staleness 1)",
           "fleet-on-policy": "rlfleet on-policy (max_staleness 0)",
           "fleet-sampled": "rlfleet, proximal sampled (max_staleness 1)",
-          "fleet-mb256": "rlfleet, one micro-batch of 256 rows (max_staleness 1)",
+          "fleet-mb256": "rlfleet, one micro-batch of 256 rows, an engine call per message (max_staleness 1)",
+          "fleet-mb256-joined": "rlfleet, one micro-batch of 256 rows, joined engine calls (max_staleness 1)",
           "fleet-mb256-compiled": "rlfleet, one micro-batch of 256 rows, compiled (max_staleness 1)",
           "fleet-mb256-bf16": "rlfleet, one micro-batch of 256 rows, bf16 autocast (max_staleness 1)",
           "fleet-mb256-1msg": "rlfleet, one micro-batch and one engine call of 256 rows (max_staleness 1)",
@@ -33,7 +34,7 @@ LABELS = {"fleet": "rlfleet (max_staleness 1, TF32 matmuls)", "fleet-fp32": "rlf
           "trl-tf32": "TRL 1.16 + vLLM colocated, TF32 matmuls"}
 COLORS = {"fleet": "tab:blue", "fleet-fp32": "tab:cyan", "fleet-on-policy": "tab:green", "fleet-sampled": "tab:purple",
           "fleet-mb256": "tab:brown", "fleet-mb256-compiled": "tab:olive",
-          "fleet-mb256-bf16": "tab:pink", "fleet-mb256-1msg": "tab:red",
+          "fleet-mb256-bf16": "tab:pink", "fleet-mb256-1msg": "tab:red", "fleet-mb256-joined": "tab:gray",
           "trl": "tab:orange", "trl-tf32": "tab:red"}
 # The configurations every task needs three seeds of; the controls (fleet-fp32, trl-tf32) and the
 # levers (fleet-sampled, fleet-mb256) are run where a question needs them.

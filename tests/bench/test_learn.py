@@ -133,7 +133,7 @@ def test_each_configuration_changes_only_its_own_settings(monkeypatch: pytest.Mo
     from bench.learn import CONFIGS, settings_of
     from services.core.config.run import RunConfig
 
-    algo, compiled, messages = {}, {}, {}
+    algo, compiled, messages, joined = {}, {}, {}, {}
     for config in CONFIGS:
         for k, v in settings_of(config).items():
             monkeypatch.setitem(W, k, v)
@@ -141,12 +141,15 @@ def test_each_configuration_changes_only_its_own_settings(monkeypatch: pytest.Mo
         algo[config] = (cfg.flow.max_staleness, cfg.algo.proximal, cfg.algo.tf32, cfg.algo.micro_batch_size)
         compiled[config] = cfg.algo.compile, cfg.algo.autocast
         messages[config] = cfg.batch.prompts_per_step // cfg.batch.prompts_per_message
+        joined[config] = cfg.generation.batch_messages
     assert algo["fleet"] == (1, "current", None, 64)  # rlfleet's default: TF32 on a CUDA GPU
     assert algo["fleet-fp32"] == (1, "current", False, 64)
     assert algo["fleet-on-policy"] == (0, "current", None, 64)
     assert algo["fleet-sampled"] == (1, "sampled", None, 64)
     assert algo["fleet-mb256"] == (1, "current", None, 256) == (*algo["fleet"][:3], cfg.algo.minibatch_size)
     assert algo["fleet-mb256-compiled"] == algo["fleet-mb256-bf16"] == algo["fleet-mb256-1msg"] == algo["fleet-mb256"]
+    assert algo["fleet-mb256-joined"] == algo["fleet-mb256"]
+    assert {c: n for c, n in joined.items() if n != 8} == {"fleet-mb256": 1}  # its recorded runs: a call per message
     assert {c: n for c, n in messages.items() if n != 4} == {"fleet-mb256-1msg": 1}  # a step is four messages
     assert {c: v for c, v in compiled.items() if v != (False, None)} == {
         "fleet-mb256-compiled": (True, None), "fleet-mb256-bf16": (False, "bfloat16")}
