@@ -57,15 +57,19 @@ def test_a_value_error_from_a_message_is_dead_lettered_and_the_loop_goes_on(redi
     assert r.xpending("rlfleet:w:prompts", "g")["pending"] == 0
 
 
-def test_a_bug_in_the_handler_fails_fast_and_leaves_the_message_pending(redis_server: RedisProcess) -> None:
+@pytest.mark.parametrize("payloads", [[b"bug"], [b"a", b"bug", b"c"]], ids=["alone", "handled-together"])
+def test_a_bug_in_the_handler_fails_fast_and_leaves_its_messages_pending(redis_server: RedisProcess,
+                                                                         payloads: list[bytes]) -> None:
     async def handle(w: StreamWorker, msg: Message) -> None:
-        raise RuntimeError("a bug")
+        if msg.data == b"bug":
+            raise RuntimeError("a bug")
+        await asyncio.sleep(30)  # still running when the bug ends the loop: cancelled, not acknowledged
 
-    err = run_worker(redis_server, [b"x"], handle)
+    err = run_worker(redis_server, payloads, handle, count=len(payloads), together=len(payloads) > 1)
     assert isinstance(err, RuntimeError)
     r = redis_server.client()
     assert r.xlen("rlfleet:w:dead") == 0
-    assert r.xpending("rlfleet:w:prompts", "g")["pending"] == 1
+    assert r.xpending("rlfleet:w:prompts", "g")["pending"] == len(payloads)
 
 
 def test_a_transient_failure_is_retried_in_place_then_acknowledged(redis_server: RedisProcess) -> None:
@@ -107,21 +111,6 @@ def test_messages_read_together_are_handled_side_by_side_each_acked_or_dead_lett
     assert [f[b"reason"] for _, f in r.xrange("rlfleet:w:dead")] == [
         b"invalid_content: temperature must be >= 0 (0 = greedy), got -1.0"]
     assert r.xpending("rlfleet:w:prompts", "g")["pending"] == 0
-
-
-def test_a_bug_in_one_of_the_messages_handled_together_fails_fast_and_leaves_the_others_pending(
-    redis_server: RedisProcess,
-) -> None:
-    async def handle(w: StreamWorker, msg: Message) -> None:
-        if msg.data == b"bug":
-            raise RuntimeError("a bug")
-        await asyncio.sleep(30)  # still running when the bug ends the loop: cancelled, not acknowledged
-
-    err = run_worker(redis_server, [b"a", b"bug", b"c"], handle, count=3, together=True)
-    assert isinstance(err, RuntimeError)
-    r = redis_server.client()
-    assert r.xlen("rlfleet:w:dead") == 0
-    assert r.xpending("rlfleet:w:prompts", "g")["pending"] == 3
 
 
 def test_a_gate_bounds_how_many_messages_one_read_takes(redis_server: RedisProcess) -> None:
